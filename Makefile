@@ -1,0 +1,78 @@
+# One entry point for set-up, code generation, checks and running. Every target installs what
+# it needs into .venv (Python) and .tools (Go-built binaries), so a fresh clone needs only
+# python3, go and make.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TOOLS := $(CURDIR)/.tools
+BUF_VERSION := v1.75.0
+BUF := $(TOOLS)/bin/buf
+PROTO_FILES := $(wildcard protos/sessionrouter/v1/*.proto)
+GEN_PY := gen/python
+ADDR ?= 127.0.0.1:50051
+
+.PHONY: help venv proto proto-check lint lint-proto typecheck test test-fast run demo bench clean
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | sort
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed  ## create .venv with the package and its test extras
+
+# Generated Python stubs are committed (so `pip install git+...` needs no protoc) and rebuilt
+# only here; `proto-check` fails when they are stale.
+define gen_python
+	rm -rf $(1)/sessionrouter/v1 && mkdir -p $(1)/sessionrouter/v1
+	$(PY) -m grpc_tools.protoc -Iprotos \
+	  --python_out=$(1) --grpc_python_out=$(1) \
+	  --mypy_out=$(1) --mypy_grpc_out=$(1) \
+	  --plugin=protoc-gen-mypy=$(VENV)/bin/protoc-gen-mypy \
+	  --plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc \
+	  $(PROTO_FILES) > /dev/null
+	rm -f $(1)/sessionrouter/v1/resources_pb2_grpc.py $(1)/sessionrouter/v1/resources_pb2_grpc.pyi
+	touch $(1)/sessionrouter/v1/__init__.py $(1)/sessionrouter/v1/py.typed
+endef
+
+proto: venv  ## regenerate the Python stubs from protos/
+	$(call gen_python,$(GEN_PY))
+
+proto-check: venv  ## fail when the committed stubs differ from what protos/ generates
+	@tmp=$$(mktemp -d) && $(call gen_python,$$tmp) && \
+	  if diff -r $$tmp/sessionrouter/v1 $(GEN_PY)/sessionrouter/v1 > /dev/null; then \
+	    echo "proto-check: generated stubs are up to date"; rm -rf $$tmp; \
+	  else diff -r $$tmp/sessionrouter/v1 $(GEN_PY)/sessionrouter/v1 | head -20; \
+	    echo "proto-check: stubs are stale, run 'make proto'"; rm -rf $$tmp; exit 1; fi
+
+$(BUF):
+	GOBIN=$(TOOLS)/bin go install github.com/bufbuild/buf/cmd/buf@$(BUF_VERSION)
+
+lint-proto: $(BUF)  ## buf lint (STANDARD) on protos/
+	$(BUF) lint
+	@echo "lint-proto: buf lint passed"
+
+lint: venv  ## ruff (lint + format check) and mypy --strict on hand-written code
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: venv proto-check lint lint-proto interop-deps  ## everything CI runs: stubs, lint, types, buf, tests
+	$(VENV)/bin/pytest
+
+test-fast: venv  ## only the pytest suite
+	$(VENV)/bin/pytest
+
+run: venv  ## start the router on $(ADDR) with embedded defaults
+	$(VENV)/bin/sessionrouter serve --listen $(ADDR)
+
+clean:  ## remove the virtual environment, tools and caches
+	rm -rf $(VENV) $(TOOLS) .mypy_cache .pytest_cache .ruff_cache build *.egg-info
+
+include mk/*.mk

@@ -1,0 +1,1 @@
+"""Typed asyncio client for sessionrouter."""

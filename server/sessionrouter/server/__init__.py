@@ -1,0 +1,1 @@
+"""The sessionrouter service: a grpc.aio server over a transport-free core."""
