@@ -1,0 +1,189 @@
+"""Wiring of the running server: servicers, health, reflection, background loops, shutdown.
+
+Shutdown is graceful: the router stops taking new sessions and the health service turns
+NOT_SERVING at once (so a mesh stops sending traffic), queued groups are reduced and published,
+subscribers are told the feed closed, in-flight calls get ``grace_s`` to finish, and the
+journal is flushed last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from sessionrouter.server.auth import TokenAuthInterceptor
+from sessionrouter.server.core.clock import Clock
+from sessionrouter.server.core.router import RouterSettings, SessionRouter
+from sessionrouter.server.metrics import RouterCollector, serve_metrics
+from sessionrouter.server.servicer import SessionServicer, WorkerServicer
+from sessionrouter.v1 import session_service_pb2, worker_service_pb2
+from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
+from sessionrouter.v1 import worker_service_pb2_grpc as wpb_grpc
+
+log = logging.getLogger("sessionrouter.app")
+
+SERVICE_NAMES = (
+    session_service_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name,
+    worker_service_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """A worker given at start-up (command line or config file)."""
+
+    worker_id: str
+    address: str
+    capacity: int
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything the process needs to serve."""
+
+    listen: str = "127.0.0.1:50051"
+    router: RouterSettings = field(default_factory=RouterSettings)
+    workers: tuple[WorkerSpec, ...] = ()
+    static_workers_heartbeat: bool = True
+    """Workers given at start-up are kept healthy by the server itself (they have no
+    heartbeating agent); registered workers must heartbeat."""
+    grace_s: float = 10.0
+    tick_s: float = 0.25
+    """How often heartbeat expiry and group deadlines are checked."""
+    keepalive_time_s: float = 30.0
+    keepalive_timeout_s: float = 10.0
+    max_connection_age_s: float | None = None
+    max_connection_age_grace_s: float | None = None
+    auth_token: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    metrics_port: int | None = None
+
+
+class RouterServer:
+    """A grpc.aio server around one SessionRouter."""
+
+    def __init__(self, config: ServerConfig, clock: Clock | None = None) -> None:
+        self.config = config
+        self.router = SessionRouter(config.router, clock)
+        self.commit: Callable[[], Awaitable[None]] = _no_journal
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = asyncio.Event()
+        self.port = 0
+        self._metrics: RouterCollector | None = None
+
+    async def start(self) -> int:
+        """Binds, starts serving and returns the bound port (useful with port 0)."""
+        cfg = self.config
+        for spec in cfg.workers:
+            self.router.register_worker(spec.worker_id, spec.address, spec.capacity, spec.labels)
+        options: list[tuple[str, int]] = [
+            ("grpc.keepalive_time_ms", int(cfg.keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            ("grpc.so_reuseport", 0),
+        ]
+        if cfg.max_connection_age_s is not None:
+            options.append(("grpc.max_connection_age_ms", int(cfg.max_connection_age_s * 1000)))
+        if cfg.max_connection_age_grace_s is not None:
+            options.append(
+                ("grpc.max_connection_age_grace_ms", int(cfg.max_connection_age_grace_s * 1000))
+            )
+        interceptors = [TokenAuthInterceptor(cfg.auth_token)] if cfg.auth_token else []
+        server = grpc.aio.server(options=options, interceptors=interceptors)
+        spb_grpc.add_SessionServiceServicer_to_server(
+            SessionServicer(self.router, self._commit), server
+        )
+        wpb_grpc.add_WorkerServiceServicer_to_server(
+            WorkerServicer(self.router, self._commit), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        if cfg.tls_cert_file and cfg.tls_key_file:
+            creds = _server_credentials(cfg.tls_cert_file, cfg.tls_key_file)
+            self.port = server.add_secure_port(cfg.listen, creds)
+        else:
+            self.port = server.add_insecure_port(cfg.listen)
+        if self.port == 0:
+            raise OSError(f"could not bind {cfg.listen}")
+        await server.start()
+        self._server = server
+        for name in ("", *SERVICE_NAMES):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.metrics_port is not None:
+            self._metrics = serve_metrics(self.router, cfg.metrics_port)
+        self._tasks = [
+            asyncio.create_task(self.router.finalizer.run(), name="finalizer"),
+            asyncio.create_task(self._tick(), name="expiry"),
+        ]
+        log.info(
+            "serving",
+            extra={
+                "event": "serving",
+                "listen": cfg.listen,
+                "port": self.port,
+                "workers": len(cfg.workers),
+            },
+        )
+        return self.port
+
+    async def _commit(self) -> None:
+        await self.commit()
+
+    async def _tick(self) -> None:
+        static = {spec.worker_id for spec in self.config.workers}
+        while True:
+            await asyncio.sleep(self.config.tick_s)
+            if self.config.static_workers_heartbeat:
+                for worker_id in static:
+                    if self.router.workers.find(worker_id) is not None:
+                        self.router.heartbeat(worker_id)
+            self.router.expire_due()
+            if self._metrics is not None:
+                self._metrics.refresh()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Graceful drain, then stop. Safe to call twice."""
+        if self._server is None or self._stopped.is_set():
+            return
+        grace = self.config.grace_s if grace_s is None else grace_s
+        log.info("draining", extra={"event": "draining", "grace_s": grace})
+        self.router.accepting = False
+        await self.health.enter_graceful_shutdown()
+        self.router.finalizer.drain()
+        self.router.feed.close()
+        await self._server.stop(grace)
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.router.finalizer.drain()
+        await self.commit()
+        self._stopped.set()
+        log.info("stopped", extra={"event": "stopped"})
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+
+async def _no_journal() -> None:
+    return None
+
+
+def _server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
+    """TLS credentials from PEM files (read once, at start-up)."""
+    key, cert = Path(key_file).read_bytes(), Path(cert_file).read_bytes()
+    return grpc.ssl_server_credentials([(key, cert)])

@@ -1,0 +1,187 @@
+"""Conversions between core records and sessionrouter.v1 messages, and nothing else."""
+
+from __future__ import annotations
+
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from sessionrouter.server.core import feed, groups, placement, rewards, router
+from sessionrouter.server.core.errors import InvalidArgument
+from sessionrouter.server.core.estimators import EstimatorParams
+from sessionrouter.server.core.workers import WorkerRecord
+from sessionrouter.v1 import resources_pb2 as pb
+from sessionrouter.v1 import session_service_pb2 as spb
+
+_SESSION_STATE = {
+    groups.SessionState.OPEN: pb.SESSION_STATE_OPEN,
+    groups.SessionState.REWARDED: pb.SESSION_STATE_REWARDED,
+    groups.SessionState.ABORTED: pb.SESSION_STATE_ABORTED,
+}
+_GROUP_STATE = {
+    groups.GroupState.OPEN: pb.GROUP_STATE_OPEN,
+    groups.GroupState.FINALIZED: pb.GROUP_STATE_FINALIZED,
+    groups.GroupState.DROPPED: pb.GROUP_STATE_DROPPED,
+}
+GROUP_STATE_FROM_PROTO: dict[int, groups.GroupState] = {v: k for k, v in _GROUP_STATE.items()}
+_OUTCOME = {
+    feed.GroupOutcome.COMPLETE: pb.GROUP_OUTCOME_COMPLETE,
+    feed.GroupOutcome.PARTIAL: pb.GROUP_OUTCOME_PARTIAL,
+    feed.GroupOutcome.DROPPED: pb.GROUP_OUTCOME_DROPPED,
+}
+REWARD_STATUS = {
+    rewards.RewardStatus.ACCEPTED: spb.REWARD_STATUS_ACCEPTED,
+    rewards.RewardStatus.DUPLICATE: spb.REWARD_STATUS_DUPLICATE,
+    rewards.RewardStatus.CONFLICT: spb.REWARD_STATUS_CONFLICT,
+    rewards.RewardStatus.UNKNOWN_SESSION: spb.REWARD_STATUS_UNKNOWN_SESSION,
+    rewards.RewardStatus.NOT_FINITE: spb.REWARD_STATUS_NOT_FINITE,
+    rewards.RewardStatus.SESSION_ABORTED: spb.REWARD_STATUS_SESSION_ABORTED,
+    rewards.RewardStatus.GROUP_CLOSED: spb.REWARD_STATUS_GROUP_CLOSED,
+}
+_PLACEMENT: dict[int, placement.PlacementMode | None] = {
+    spb.PLACEMENT_MODE_UNSPECIFIED: None,
+    spb.PLACEMENT_MODE_SPREAD: placement.PlacementMode.SPREAD,
+    spb.PLACEMENT_MODE_STRICT: placement.PlacementMode.STRICT,
+}
+
+
+def timestamp(unix_s: float) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(unix_s * 1e9))
+    return ts
+
+
+def duration(seconds: float) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
+def worker_to_proto(w: WorkerRecord) -> pb.Worker:
+    return pb.Worker(
+        worker_id=w.worker_id,
+        address=w.address,
+        capacity=w.capacity,
+        labels=w.labels,
+        health=pb.WORKER_HEALTH_HEALTHY if w.healthy else pb.WORKER_HEALTH_UNHEALTHY,
+        draining=w.draining,
+        open_sessions=len(w.open_sessions),
+        last_heartbeat_time=timestamp(w.last_heartbeat_wall),
+    )
+
+
+def session_to_proto(s: groups.SessionRecord) -> pb.Session:
+    msg = pb.Session(
+        name=s.name,
+        group_id=s.group_id,
+        index=s.index,
+        task_id=s.task_id,
+        worker_id=s.worker_id,
+        worker_address=s.worker_address,
+        state=_SESSION_STATE[s.state],
+        worker_lost=s.worker_lost,
+        metadata=s.metadata,
+        request_id=s.request_id,
+        create_time=timestamp(s.create_time),
+    )
+    if s.reward is not None:
+        msg.reward = s.reward
+    return msg
+
+
+def estimator_to_proto(p: EstimatorParams) -> pb.EstimatorConfig:
+    return pb.EstimatorConfig(name=p.name, eps=p.eps, ddof=p.ddof, batch_std=p.batch_std)
+
+
+def group_to_proto(g: groups.GroupRecord, *, with_members: bool = True) -> pb.Group:
+    return pb.Group(
+        group_id=g.group_id,
+        name=g.name,
+        task_id=g.task_id,
+        group_size=g.size,
+        state=_GROUP_STATE[g.state],
+        members=[session_to_proto(s) for s in g.members] if with_members else [],
+        options=pb.GroupOptions(
+            estimator=estimator_to_proto(g.settings.estimator),
+            deadline=duration(g.settings.deadline_s),
+            min_members=g.settings.min_members,
+        ),
+        create_time=timestamp(g.create_time),
+        deadline_time=timestamp(g.deadline_wall),
+        cursor=g.cursor,
+    )
+
+
+def result_to_proto(r: feed.GroupResult) -> pb.GroupResult:
+    return pb.GroupResult(
+        cursor=r.cursor,
+        group_id=r.group_id,
+        task_id=r.task_id,
+        outcome=_OUTCOME[r.outcome],
+        group_size=r.group_size,
+        sessions=r.sessions,
+        rewards=r.rewards.tolist(),
+        advantages=r.advantages.tolist(),
+        mean=r.mean,
+        std=r.std,
+        estimator=estimator_to_proto(r.estimator),
+        degenerate=r.degenerate,
+        excluded_sessions=r.excluded_sessions,
+        finalize_time=timestamp(r.finalize_time),
+    )
+
+
+def options_from_proto(msg: pb.GroupOptions) -> router.OptionsSpec:
+    est = msg.estimator
+    return router.OptionsSpec(
+        estimator=est.name,
+        eps=est.eps if est.HasField("eps") else None,
+        ddof=est.ddof if est.HasField("ddof") else None,
+        batch_std=est.batch_std if est.HasField("batch_std") else None,
+        deadline_s=msg.deadline.ToNanoseconds() / 1e9 if msg.HasField("deadline") else 0.0,
+        min_members=msg.min_members,
+    )
+
+
+def placement_from_proto(mode: int) -> placement.PlacementMode | None:
+    if mode not in _PLACEMENT:
+        raise InvalidArgument(
+            "UNKNOWN_ENUM_VALUE",
+            f"placement_mode {mode} is not a known PlacementMode",
+            field_violations=[("placement_mode", f"unknown value {mode}")],
+        )
+    return _PLACEMENT[mode]
+
+
+def group_state_from_proto(state: int) -> groups.GroupState | None:
+    if state == pb.GROUP_STATE_UNSPECIFIED:
+        return None
+    if state not in GROUP_STATE_FROM_PROTO:
+        raise InvalidArgument(
+            "UNKNOWN_ENUM_VALUE",
+            f"state {state} is not a known GroupState",
+            field_violations=[("state", f"unknown value {state}")],
+        )
+    return GROUP_STATE_FROM_PROTO[state]
+
+
+def start_session_from_proto(req: spb.StartSessionRequest) -> router.StartSessionCommand:
+    return router.StartSessionCommand(
+        task_id=req.task_id,
+        group_id=req.group_id if req.HasField("group_id") else None,
+        group_size=req.group_size,
+        request_id=req.request_id,
+        metadata=dict(req.metadata),
+        options=options_from_proto(req.group_options),
+        placement_mode=placement_from_proto(req.placement_mode),
+    )
+
+
+def start_group_from_proto(req: spb.StartGroupRequest) -> router.StartGroupCommand:
+    return router.StartGroupCommand(
+        task_id=req.task_id,
+        group_size=req.group_size,
+        group_id=req.group_id if req.HasField("group_id") else None,
+        request_id=req.request_id,
+        metadata=dict(req.metadata),
+        options=options_from_proto(req.group_options),
+        placement_mode=placement_from_proto(req.placement_mode),
+    )

@@ -1,0 +1,134 @@
+"""The completed-group feed: every finalized or dropped group, in order, with a cursor.
+
+Cursors start at 1 and grow by one per group with no gaps, so a trainer that remembers the
+last cursor it processed can resume after a disconnect and miss nothing, receive nothing twice.
+The feed keeps the newest ``retention`` results in memory; subscribers read slices of it, so a
+slow subscriber costs no memory of its own (gRPC flow control holds it back) and many
+subscribers share one copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from sessionrouter.server.core.errors import OutOfRange
+from sessionrouter.server.core.estimators import EstimatorParams
+
+
+class GroupOutcome(enum.Enum):
+    COMPLETE = "complete"
+    """Every member has a reward."""
+    PARTIAL = "partial"
+    """Finalized without some members, with at least min_members rewarded."""
+    DROPPED = "dropped"
+    """Too few rewarded members: no advantages."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GroupResult:
+    """A finalized group as trainers consume it.
+
+    ``sessions``, ``rewards`` and ``advantages`` are aligned, shape (n,) for the n members
+    that count; ``advantages`` is empty for a dropped group.
+    """
+
+    cursor: int
+    group_id: str
+    task_id: str
+    outcome: GroupOutcome
+    group_size: int
+    sessions: tuple[str, ...]
+    rewards: NDArray[np.float64]
+    advantages: NDArray[np.float64]
+    mean: float
+    std: float
+    estimator: EstimatorParams
+    degenerate: bool
+    excluded_sessions: tuple[str, ...]
+    finalize_time: float
+    """Unix seconds."""
+
+
+class GroupFeed:
+    """Ordered, bounded, resumable log of group results."""
+
+    def __init__(self, retention: int, last_cursor: int = 0) -> None:
+        if retention < 1:
+            raise ValueError("feed retention must be at least 1")
+        self.retention = retention
+        self._items: list[GroupResult] = []
+        self._first = last_cursor + 1
+        """Cursor of _items[0]."""
+        self._changed = asyncio.Event()
+        self._closed = False
+
+    @property
+    def last_cursor(self) -> int:
+        """Cursor of the newest result; 0 before the first."""
+        return self._first + len(self._items) - 1
+
+    @property
+    def oldest_cursor(self) -> int:
+        """Cursor of the oldest retained result (last_cursor + 1 when empty)."""
+        return self._first
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def next_cursor(self) -> int:
+        return self.last_cursor + 1
+
+    def publish(self, result: GroupResult) -> None:
+        """Appends a result (its cursor must be next_cursor()) and wakes subscribers."""
+        if result.cursor != self.next_cursor():
+            raise ValueError(f"cursor {result.cursor} published out of order")
+        self._items.append(result)
+        excess = len(self._items) - self.retention
+        if excess >= max(1, self.retention // 8):
+            # Evict in chunks so that appends stay O(1) amortised.
+            del self._items[:excess]
+            self._first += excess
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def read_after(self, cursor: int, limit: int) -> list[GroupResult]:
+        """Up to ``limit`` results with cursors greater than ``cursor``.
+
+        A cursor beyond the newest is OutOfRange (the router lost its feed, e.g. restarted
+        without a journal, and the trainer must know); so is one whose successor was evicted.
+        """
+        if cursor > self.last_cursor:
+            raise OutOfRange(
+                "CURSOR_AHEAD_OF_FEED",
+                f"cursor {cursor} is beyond the newest group ({self.last_cursor})",
+                metadata={"cursor": cursor, "last_cursor": self.last_cursor},
+            )
+        if cursor + 1 < self._first:
+            raise OutOfRange(
+                "CURSOR_EXPIRED",
+                f"groups after cursor {cursor} are no longer retained; the oldest retained"
+                f" cursor is {self._first}",
+                metadata={"cursor": cursor, "oldest_cursor": self._first},
+            )
+        start = cursor + 1 - self._first
+        return self._items[start : start + limit]
+
+    async def wait_beyond(self, cursor: int) -> bool:
+        """Waits until a result with a cursor greater than ``cursor`` exists; False when the
+        feed closed first."""
+        while self.last_cursor <= cursor:
+            if self._closed:
+                return False
+            await self._changed.wait()
+        return True
+
+    def close(self) -> None:
+        """Wakes every subscriber so that it ends its stream (graceful shutdown)."""
+        self._closed = True
+        self._changed.set()

@@ -1,0 +1,224 @@
+"""Groups and their sessions: the records, and the ledger that stores and finds them.
+
+A group is created by its first session (or by StartGroup) and binds a task id, a size and its
+options for life; sessions join it in index order. The ledger keeps groups by id, the
+request-id index that makes starts idempotent, creation order for paging, and a bounded
+window of finished groups for lookups (older ones are forgotten, with their request ids).
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from sessionrouter.server.core.errors import NotFound
+from sessionrouter.server.core.estimators import EstimatorParams
+from sessionrouter.server.core.validation import session_name
+
+
+class SessionState(enum.Enum):
+    OPEN = "open"
+    """Placed and running; holds a slot on its worker."""
+    REWARDED = "rewarded"
+    ABORTED = "aborted"
+
+
+class GroupState(enum.Enum):
+    OPEN = "open"
+    FINALIZED = "finalized"
+    DROPPED = "dropped"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSettings:
+    """The options of one group with every default filled in."""
+
+    estimator: EstimatorParams
+    deadline_s: float
+    """Seconds from creation to the deadline."""
+    min_members: int
+    """Least rewarded members for a partial group to be finalized rather than dropped."""
+
+
+@dataclass(slots=True, eq=False)
+class SessionRecord:
+    """One member of a group. Mutated only by the router."""
+
+    group_id: str
+    index: int
+    task_id: str
+    worker_id: str
+    worker_address: str
+    request_id: str
+    metadata: dict[str, str]
+    create_time: float
+    """Unix seconds."""
+    shared_worker: bool = False
+    state: SessionState = SessionState.OPEN
+    worker_lost: bool = False
+    reward: float | None = None
+
+    @property
+    def name(self) -> str:
+        return session_name(self.group_id, self.index)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.group_id, self.index)
+
+
+@dataclass(slots=True, eq=False)
+class GroupRecord:
+    """A group and its members. Mutated only by the router."""
+
+    group_id: str
+    task_id: str
+    size: int
+    settings: GroupSettings
+    create_time: float
+    """Unix seconds."""
+    deadline: float
+    """Monotonic seconds."""
+    deadline_wall: float
+    """The deadline as Unix seconds, for display."""
+    seq: int
+    """Creation order, used for paging."""
+    members: list[SessionRecord] = field(default_factory=list)
+    members_per_worker: dict[str, int] = field(default_factory=dict)
+    state: GroupState = GroupState.OPEN
+    rewarded: int = 0
+    aborted: int = 0
+    cursor: int = 0
+    """Position of the group's result on the feed; 0 until published."""
+    request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"groups/{self.group_id}"
+
+    @property
+    def full(self) -> bool:
+        return len(self.members) >= self.size
+
+    @property
+    def settled(self) -> bool:
+        """Every member joined and each has a reward or was aborted: nothing to wait for."""
+        return self.full and self.rewarded + self.aborted == self.size
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """What a request id started, and what the request looked like (to spot reuse)."""
+
+    group_id: str
+    index: int | None
+    """The session index for StartSession; None for StartGroup."""
+    fingerprint: tuple[object, ...]
+
+
+class GroupLedger:
+    """Storage and lookup of groups, sessions and request ids."""
+
+    def __init__(self, finished_retention: int) -> None:
+        self.finished_retention = finished_retention
+        self._groups: dict[str, GroupRecord] = {}
+        self._requests: dict[str, RequestRecord] = {}
+        self._finished: deque[str] = deque()
+        self._order_seq: list[int] = []
+        self._order_ids: list[str] = []
+        self._next_seq = 1
+        self.open_groups = 0
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __iter__(self) -> Iterator[GroupRecord]:
+        return iter(self._groups.values())
+
+    def next_seq(self) -> int:
+        seq = self._next_seq
+        self._next_seq += 1
+        return seq
+
+    def find(self, group_id: str) -> GroupRecord | None:
+        return self._groups.get(group_id)
+
+    def get(self, group_id: str) -> GroupRecord:
+        group = self._groups.get(group_id)
+        if group is None:
+            raise NotFound(
+                "GROUP_NOT_FOUND",
+                f"group {group_id!r} does not exist (or is no longer retained)",
+                metadata={"group_id": group_id},
+            )
+        return group
+
+    def get_session(self, group_id: str, index: int) -> SessionRecord:
+        group = self._groups.get(group_id)
+        if group is None or index >= len(group.members):
+            name = session_name(group_id, index)
+            raise NotFound(
+                "SESSION_NOT_FOUND",
+                f"session {name!r} does not exist (or is no longer retained)",
+                metadata={"session": name},
+            )
+        return group.members[index]
+
+    def find_session(self, group_id: str, index: int) -> SessionRecord | None:
+        group = self._groups.get(group_id)
+        if group is None or index >= len(group.members):
+            return None
+        return group.members[index]
+
+    def add_group(self, group: GroupRecord) -> None:
+        self._groups[group.group_id] = group
+        self._order_seq.append(group.seq)
+        self._order_ids.append(group.group_id)
+        self.open_groups += 1
+
+    def find_request(self, request_id: str) -> RequestRecord | None:
+        return self._requests.get(request_id)
+
+    def add_request(self, request_id: str, record: RequestRecord) -> None:
+        self._requests[request_id] = record
+        self._groups[record.group_id].request_ids.append(request_id)
+
+    def mark_finished(self, group: GroupRecord) -> None:
+        """Records that ``group`` finished; forgets the oldest finished groups beyond the
+        retention window so that memory stays bounded on a long run."""
+        self.open_groups -= 1
+        self._finished.append(group.group_id)
+        while len(self._finished) > self.finished_retention:
+            old = self._groups.pop(self._finished.popleft(), None)
+            if old is not None:
+                for request_id in old.request_ids:
+                    self._requests.pop(request_id, None)
+        if len(self._order_ids) > 2 * len(self._groups) + 1024:
+            keep = [
+                (s, g)
+                for s, g in zip(self._order_seq, self._order_ids, strict=True)
+                if g in self._groups
+            ]
+            self._order_seq = [s for s, _ in keep]
+            self._order_ids = [g for _, g in keep]
+
+    def page(
+        self, page_size: int, after_seq: int, state: GroupState | None
+    ) -> tuple[list[GroupRecord], int]:
+        """Groups in creation order after ``after_seq``; returns (page, next seq or 0)."""
+        start = bisect.bisect_right(self._order_seq, after_seq)
+        found: list[GroupRecord] = []
+        for i in range(start, len(self._order_seq)):
+            seq, group_id = self._order_seq[i], self._order_ids[i]
+            group = self._groups.get(group_id)
+            if group is None or group.seq != seq:
+                continue
+            if state is not None and group.state is not state:
+                continue
+            if len(found) == page_size:
+                return found, found[-1].seq
+            found.append(group)
+        return found, 0

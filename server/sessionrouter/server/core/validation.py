@@ -1,0 +1,129 @@
+"""Limits and checks on caller input: identifiers, names, metadata, labels.
+
+Identifiers sit inside resource names (``groups/{group_id}/sessions/{index}``), so they exclude
+``/`` and whitespace; every limit is a constant here so that the proto comments, the errors and
+the tests agree on one number.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+
+from sessionrouter.server.core.errors import InvalidArgument
+
+ID_MAX_LEN = 128
+ADDRESS_MAX_LEN = 256
+MAX_MAP_ENTRIES = 32
+MAP_KEY_MAX_LEN = 64
+METADATA_VALUE_MAX_LEN = 1024
+LABEL_VALUE_MAX_LEN = 256
+REASON_MAX_LEN = 1024
+MAX_GROUP_SIZE = 1024
+MAX_CAPACITY = 1_000_000
+MAX_DEADLINE_S = 24 * 3600.0
+
+_ID_RE = re.compile(r"[A-Za-z0-9._~:@+=-]{1,128}")
+_SESSION_NAME_RE = re.compile(r"groups/([A-Za-z0-9._~:@+=-]{1,128})/sessions/(0|[1-9][0-9]{0,5})")
+
+
+def check_id(field: str, value: str) -> str:
+    """Returns ``value`` when it is a valid identifier, else raises InvalidArgument."""
+    if _ID_RE.fullmatch(value) is None:
+        if not value:
+            problem = "must not be empty"
+        elif len(value) > ID_MAX_LEN:
+            problem = f"is {len(value)} characters long, at most {ID_MAX_LEN} allowed"
+        else:
+            problem = "may only contain A-Z a-z 0-9 . _ ~ : @ + = -"
+        raise InvalidArgument(
+            "INVALID_ID",
+            f"{field} {problem}",
+            metadata={"field": field},
+            field_violations=[(field, problem)],
+        )
+    return value
+
+
+def check_optional_id(field: str, value: str) -> str:
+    """Like check_id, but the empty string (meaning "not given") passes."""
+    return value if not value else check_id(field, value)
+
+
+def session_name(group_id: str, index: int) -> str:
+    """The resource name of member ``index`` of ``group_id``."""
+    return f"groups/{group_id}/sessions/{index}"
+
+
+def parse_session_name(name: str, field: str = "session") -> tuple[str, int]:
+    """Splits ``groups/{group_id}/sessions/{index}`` into (group_id, index)."""
+    match = _SESSION_NAME_RE.fullmatch(name)
+    if match is None:
+        problem = "must look like groups/{group_id}/sessions/{index}"
+        raise InvalidArgument(
+            "INVALID_SESSION_NAME",
+            f"{field} {name[:200]!r} {problem}",
+            metadata={"field": field},
+            field_violations=[(field, problem)],
+        )
+    return match.group(1), int(match.group(2))
+
+
+def try_parse_session_name(name: str) -> tuple[str, int] | None:
+    """parse_session_name without raising, for hot paths that report per entry."""
+    match = _SESSION_NAME_RE.fullmatch(name)
+    return None if match is None else (match.group(1), int(match.group(2)))
+
+
+def check_string_map(field: str, entries: Mapping[str, str], value_max_len: int) -> dict[str, str]:
+    """Checks a metadata or labels map against the entry, key and value limits."""
+    if len(entries) > MAX_MAP_ENTRIES:
+        problem = f"has {len(entries)} entries, at most {MAX_MAP_ENTRIES} allowed"
+        raise InvalidArgument(
+            "MAP_TOO_LARGE",
+            f"{field} {problem}",
+            metadata={"field": field, "entries": len(entries), "limit": MAX_MAP_ENTRIES},
+            field_violations=[(field, problem)],
+        )
+    for key, value in entries.items():
+        problem = ""
+        if not key:
+            problem = "has an empty key"
+        elif len(key) > MAP_KEY_MAX_LEN:
+            problem = f"key {key[:40]!r}... is longer than {MAP_KEY_MAX_LEN} characters"
+        elif len(value) > value_max_len:
+            problem = f"value of {key!r} is longer than {value_max_len} characters"
+        if problem:
+            raise InvalidArgument(
+                "MAP_ENTRY_INVALID",
+                f"{field} {problem}",
+                metadata={"field": field},
+                field_violations=[(f"{field}[{key[:MAP_KEY_MAX_LEN]}]", problem)],
+            )
+    return dict(entries)
+
+
+def check_text(field: str, value: str, max_len: int, *, required: bool) -> str:
+    """Checks a free-text field (an address, a reason) for presence and length."""
+    if required and not value:
+        problem = "must not be empty"
+    elif len(value) > max_len:
+        problem = f"is {len(value)} characters long, at most {max_len} allowed"
+    else:
+        return value
+    raise InvalidArgument(
+        "INVALID_FIELD", f"{field} {problem}", field_violations=[(field, problem)]
+    )
+
+
+def check_range(field: str, value: float, low: float, high: float) -> None:
+    """Raises InvalidArgument unless ``low <= value <= high`` (and value is finite)."""
+    if not (math.isfinite(value) and low <= value <= high):
+        problem = f"is {value}, must be between {low:g} and {high:g}"
+        raise InvalidArgument(
+            "OUT_OF_BOUNDS",
+            f"{field} {problem}",
+            metadata={"field": field, "value": value, "min": low, "max": high},
+            field_violations=[(field, problem)],
+        )

@@ -1,0 +1,264 @@
+"""The worker registry: who can take sessions, and how loaded each worker is.
+
+A worker is *eligible* for a new session when it is healthy, not draining and below its
+capacity. Load is ``open_sessions / capacity`` (a fraction, 0.0 to 1.0). The registry keeps a
+lazy min-heap of eligible workers keyed by load, so that finding the least-loaded eligible
+worker costs O(log W) amortised instead of a scan over all W workers on every StartSession:
+every change of a worker bumps its version and pushes a fresh heap entry; entries whose version
+is stale, or whose worker is no longer eligible, are discarded when they reach the top. The heap
+is rebuilt when stale entries outnumber live ones, which bounds its size to O(W).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Container, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from sessionrouter.server.core.errors import AlreadyExists, NotFound
+from sessionrouter.server.core.validation import (
+    ADDRESS_MAX_LEN,
+    LABEL_VALUE_MAX_LEN,
+    MAX_CAPACITY,
+    check_id,
+    check_range,
+    check_string_map,
+    check_text,
+)
+
+SessionKey = tuple[str, int]
+"""(group_id, index): how the registry refers to a session placed on a worker."""
+
+
+@dataclass(slots=True, eq=False)
+class WorkerRecord:
+    """A registered worker and its live load. Mutated only by WorkerRegistry."""
+
+    worker_id: str
+    address: str
+    capacity: int
+    labels: dict[str, str]
+    healthy: bool = True
+    draining: bool = False
+    last_heartbeat: float = 0.0
+    """Monotonic seconds of the last heartbeat or registration."""
+    last_heartbeat_wall: float = 0.0
+    """The same moment as Unix seconds, for display."""
+    open_sessions: set[SessionKey] = field(default_factory=set)
+    version: int = 0
+
+    @property
+    def load(self) -> float:
+        """Open sessions as a fraction of capacity."""
+        return len(self.open_sessions) / self.capacity
+
+    @property
+    def eligible(self) -> bool:
+        """True when the worker may take one more session."""
+        return self.healthy and not self.draining and len(self.open_sessions) < self.capacity
+
+
+_HeapEntry = tuple[float, int, str, int]
+"""(load, open sessions, worker_id, version): ordered least-loaded first, then by id."""
+
+
+class WorkerRegistry:
+    """Registered workers, their health, drain state and open sessions."""
+
+    def __init__(self, heartbeat_timeout_s: float) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._workers: dict[str, WorkerRecord] = {}
+        self._heap: list[_HeapEntry] = []
+        self._eligible_count = 0
+        self.on_worker_lost: Callable[[WorkerRecord, set[SessionKey]], None] | None = None
+        """Called with the worker and its open sessions when it turns unhealthy or leaves."""
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def __iter__(self) -> Iterator[WorkerRecord]:
+        return iter(self._workers.values())
+
+    def get(self, worker_id: str) -> WorkerRecord:
+        """The worker with this id, or NotFound."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            raise NotFound(
+                "WORKER_NOT_FOUND",
+                f"worker {worker_id!r} is not registered",
+                metadata={"worker_id": worker_id},
+            )
+        return worker
+
+    def find(self, worker_id: str) -> WorkerRecord | None:
+        return self._workers.get(worker_id)
+
+    def page(self, page_size: int, after: str) -> tuple[list[WorkerRecord], str]:
+        """Workers ordered by id, starting after ``after``; returns (page, last id or "")."""
+        ids = sorted(w for w in self._workers if w > after)
+        chosen = ids[:page_size]
+        more = len(ids) > page_size
+        return [self._workers[w] for w in chosen], (chosen[-1] if more and chosen else "")
+
+    @property
+    def eligible_count(self) -> int:
+        """How many workers could take a session now."""
+        return self._eligible_count
+
+    # -- changes ---------------------------------------------------------------------------
+
+    def register(
+        self,
+        worker_id: str,
+        address: str,
+        capacity: int,
+        labels: Mapping[str, str],
+        now: float,
+        now_wall: float,
+    ) -> tuple[WorkerRecord, bool]:
+        """Adds a worker or refreshes one; returns (worker, created).
+
+        Registering again with the same address is an update (capacity, labels) and counts
+        as a heartbeat; another address under the same id is AlreadyExists, because two live
+        processes claiming one id would make placement lie.
+        """
+        check_id("worker_id", worker_id)
+        check_text("address", address, ADDRESS_MAX_LEN, required=True)
+        check_range("capacity", capacity, 1, MAX_CAPACITY)
+        labels = check_string_map("labels", labels, LABEL_VALUE_MAX_LEN)
+        worker = self._workers.get(worker_id)
+        if worker is not None and worker.address != address:
+            raise AlreadyExists(
+                "WORKER_ADDRESS_CONFLICT",
+                f"worker {worker_id!r} is registered at {worker.address!r}, not {address!r};"
+                " deregister it first",
+                metadata={"worker_id": worker_id, "address": worker.address},
+            )
+        created = worker is None
+        if worker is None:
+            worker = WorkerRecord(worker_id, address, capacity, labels)
+            self._workers[worker_id] = worker
+            was_eligible = False
+        else:
+            was_eligible = worker.eligible
+            worker.capacity = capacity
+            worker.labels = labels
+        worker.healthy = True
+        worker.last_heartbeat = now
+        worker.last_heartbeat_wall = now_wall
+        self._changed(worker, was_eligible)
+        return worker, created
+
+    def heartbeat(self, worker_id: str, now: float, now_wall: float) -> tuple[WorkerRecord, bool]:
+        """Records a heartbeat; returns (worker, recovered) where recovered means it had
+        been unhealthy."""
+        worker = self.get(worker_id)
+        recovered = not worker.healthy
+        worker.last_heartbeat = now
+        worker.last_heartbeat_wall = now_wall
+        if recovered:
+            was_eligible = worker.eligible
+            worker.healthy = True
+            self._changed(worker, was_eligible)
+        return worker, recovered
+
+    def set_draining(self, worker_id: str, draining: bool) -> WorkerRecord:
+        """Drains a worker (no new sessions) or returns it to service."""
+        worker = self.get(worker_id)
+        if worker.draining != draining:
+            was_eligible = worker.eligible
+            worker.draining = draining
+            self._changed(worker, was_eligible)
+        return worker
+
+    def deregister(self, worker_id: str) -> tuple[WorkerRecord, int]:
+        """Removes a worker; returns it and how many open sessions it lost."""
+        worker = self.get(worker_id)
+        if worker.eligible:
+            self._eligible_count -= 1
+        del self._workers[worker_id]
+        lost = set(worker.open_sessions)
+        if lost and self.on_worker_lost is not None:
+            self.on_worker_lost(worker, lost)
+        worker.version += 1
+        return worker, len(lost)
+
+    def expire(self, now: float) -> list[WorkerRecord]:
+        """Marks unhealthy every healthy worker whose last heartbeat is older than the
+        timeout; returns those workers. O(W), called a few times per timeout."""
+        expired = [
+            w
+            for w in self._workers.values()
+            if w.healthy and now - w.last_heartbeat > self.heartbeat_timeout_s
+        ]
+        for worker in expired:
+            was_eligible = worker.eligible
+            worker.healthy = False
+            self._changed(worker, was_eligible)
+            if worker.open_sessions and self.on_worker_lost is not None:
+                self.on_worker_lost(worker, set(worker.open_sessions))
+        return expired
+
+    def add_session(self, worker: WorkerRecord, key: SessionKey) -> None:
+        """Counts a session placed on ``worker``."""
+        was_eligible = worker.eligible
+        worker.open_sessions.add(key)
+        self._changed(worker, was_eligible)
+
+    def release_session(self, worker_id: str, key: SessionKey) -> None:
+        """Frees the slot of a session that ended (rewarded, aborted, group closed).
+
+        A worker that was deregistered meanwhile is simply gone: nothing to free."""
+        worker = self._workers.get(worker_id)
+        if worker is None or key not in worker.open_sessions:
+            return
+        was_eligible = worker.eligible
+        worker.open_sessions.discard(key)
+        self._changed(worker, was_eligible)
+
+    # -- least-loaded index ----------------------------------------------------------------
+
+    def least_loaded(self, exclude: Container[str]) -> WorkerRecord | None:
+        """The eligible worker with the lowest load whose id is not in ``exclude``.
+
+        Cost: O((k + s) log W) where k is the number of excluded workers met on the way
+        (at most the group's size) and s the stale entries discarded."""
+        heap = self._heap
+        skipped: list[_HeapEntry] = []
+        found: WorkerRecord | None = None
+        while heap:
+            entry = heap[0]
+            worker = self._workers.get(entry[2])
+            if worker is None or worker.version != entry[3] or not worker.eligible:
+                heapq.heappop(heap)
+                continue
+            if entry[2] in exclude:
+                skipped.append(heapq.heappop(heap))
+                continue
+            found = worker
+            break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return found
+
+    def _changed(self, worker: WorkerRecord, was_eligible: bool) -> None:
+        worker.version += 1
+        eligible = worker.eligible
+        self._eligible_count += int(eligible) - int(was_eligible)
+        if eligible:
+            heapq.heappush(
+                self._heap,
+                (worker.load, len(worker.open_sessions), worker.worker_id, worker.version),
+            )
+        if len(self._heap) > 4 * len(self._workers) + 64:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._heap = [
+            (w.load, len(w.open_sessions), w.worker_id, w.version)
+            for w in self._workers.values()
+            if w.eligible
+        ]
+        heapq.heapify(self._heap)

@@ -1,0 +1,93 @@
+"""Prometheus metrics from counters the core keeps anyway.
+
+The request path pays nothing for metrics (no label lookups, no locks): the core counts in
+plain integers, the event loop copies a snapshot a few times a second (``refresh``), and the
+HTTP thread of prometheus_client only reads that immutable snapshot, never live state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from sessionrouter.server.core.router import SessionRouter
+
+
+class RouterCollector(Collector):
+    """Exposes worker, session, group, reward and feed figures of one router."""
+
+    def __init__(self, router: SessionRouter) -> None:
+        self._router = router
+        self._families: list[GaugeMetricFamily | CounterMetricFamily] = []
+        self.refresh()
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        return iter(self._families)
+
+    def refresh(self) -> None:
+        """Takes a snapshot; call from the event loop that owns the router."""
+        self._families = list(self._snapshot())
+
+    def _snapshot(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        router = self._router
+        workers = GaugeMetricFamily(
+            "sessionrouter_workers", "Registered workers by state", labels=["state"]
+        )
+        healthy = sum(1 for w in router.workers if w.healthy)
+        draining = sum(1 for w in router.workers if w.draining)
+        workers.add_metric(["healthy"], healthy)
+        workers.add_metric(["unhealthy"], len(router.workers) - healthy)
+        workers.add_metric(["draining"], draining)
+        workers.add_metric(["eligible"], router.workers.eligible_count)
+        yield workers
+        yield GaugeMetricFamily(
+            "sessionrouter_open_sessions",
+            "Sessions holding a worker slot",
+            value=sum(len(w.open_sessions) for w in router.workers),
+        )
+        yield GaugeMetricFamily(
+            "sessionrouter_open_groups",
+            "Groups waiting for members or rewards",
+            value=router.groups.open_groups,
+        )
+        sessions = CounterMetricFamily(
+            "sessionrouter_sessions_started", "Sessions placed", labels=["placement"]
+        )
+        sessions.add_metric(["distinct"], router.stats.sessions_distinct)
+        sessions.add_metric(["shared"], router.stats.sessions_shared)
+        yield sessions
+        rewards = CounterMetricFamily(
+            "sessionrouter_rewards", "Reward entries by result", labels=["status"]
+        )
+        for status, count in router.stats.rewards.items():
+            rewards.add_metric([status.value], count)
+        yield rewards
+        groups = CounterMetricFamily(
+            "sessionrouter_groups_finished", "Finished groups by outcome", labels=["outcome"]
+        )
+        for outcome, count in router.stats.groups_finished.items():
+            groups.add_metric([outcome.value], count)
+        yield groups
+        yield CounterMetricFamily(
+            "sessionrouter_reducer_batches",
+            "Micro-batches reduced",
+            value=router.finalizer.batches,
+        )
+        yield GaugeMetricFamily(
+            "sessionrouter_feed_cursor",
+            "Cursor of the newest group on the feed",
+            value=router.feed.last_cursor,
+        )
+
+
+def serve_metrics(router: SessionRouter, port: int, addr: str = "127.0.0.1") -> RouterCollector:
+    """Serves /metrics over HTTP on ``addr:port`` from a background thread; the caller
+    refreshes the returned collector from its event loop."""
+    collector = RouterCollector(router)
+    registry = CollectorRegistry()
+    registry.register(collector)
+    start_http_server(port, addr=addr, registry=registry)
+    return collector

@@ -1,0 +1,290 @@
+"""gRPC servicers: proto in, one core call, proto out; core errors become statuses.
+
+No routing logic lives here. Each handler converts its request, calls the SessionRouter
+synchronously (so the call is atomic on the event loop), converts the records it got back into
+messages *before* awaiting anything, then awaits the durability barrier so that nothing is
+acknowledged before it is journaled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from typing import NoReturn
+
+import grpc
+
+from sessionrouter.server import convert, paging
+from sessionrouter.server.core.errors import InvalidArgument, RouterError
+from sessionrouter.server.core.router import SessionRouter
+from sessionrouter.server.core.streams import RewardAck, RewardStream
+from sessionrouter.server.status import to_status
+from sessionrouter.v1 import session_service_pb2 as spb
+from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
+from sessionrouter.v1 import worker_service_pb2 as wpb
+from sessionrouter.v1 import worker_service_pb2_grpc as wpb_grpc
+
+log = logging.getLogger("sessionrouter.servicer")
+
+MAX_ENTRIES_PER_REQUEST = 4096
+STREAM_BACKLOG_LIMIT = 1024
+"""Queued responses of one SubmitRewards stream beyond which its reader stops reading."""
+FEED_READ_BATCH = 256
+
+Commit = Callable[[], Awaitable[None]]
+"""Returns once every state change made so far is durable (a no-op without a journal)."""
+
+
+async def _no_journal() -> None:
+    return None
+
+
+async def _abort(context: grpc.aio.ServicerContext[object, object], error: RouterError) -> NoReturn:
+    await context.abort_with_status(to_status(error))
+    raise AssertionError("abort_with_status returned")  # pragma: no cover
+
+
+class WorkerServicer(wpb_grpc.WorkerServiceServicer):
+    """WorkerService over the router's worker registry."""
+
+    def __init__(self, router: SessionRouter, commit: Commit = _no_journal) -> None:
+        self._router = router
+        self._commit = commit
+
+    async def RegisterWorker(
+        self, request: wpb.RegisterWorkerRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> wpb.RegisterWorkerResponse:
+        try:
+            worker = self._router.register_worker(
+                request.worker_id, request.address, request.capacity, dict(request.labels)
+            )
+        except RouterError as error:
+            await _abort(context, error)
+        reply = wpb.RegisterWorkerResponse(
+            worker=convert.worker_to_proto(worker),
+            heartbeat_timeout=convert.duration(self._router.settings.heartbeat_timeout_s),
+        )
+        await self._commit()
+        return reply
+
+    async def Heartbeat(
+        self, request: wpb.HeartbeatRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> wpb.HeartbeatResponse:
+        try:
+            worker = self._router.heartbeat(request.worker_id)
+        except RouterError as error:
+            await _abort(context, error)
+        return wpb.HeartbeatResponse(worker=convert.worker_to_proto(worker))
+
+    async def DrainWorker(
+        self, request: wpb.DrainWorkerRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> wpb.DrainWorkerResponse:
+        try:
+            worker = self._router.drain_worker(request.worker_id, request.resume)
+        except RouterError as error:
+            await _abort(context, error)
+        reply = wpb.DrainWorkerResponse(worker=convert.worker_to_proto(worker))
+        await self._commit()
+        return reply
+
+    async def DeregisterWorker(
+        self,
+        request: wpb.DeregisterWorkerRequest,
+        context: grpc.aio.ServicerContext[object, object],
+    ) -> wpb.DeregisterWorkerResponse:
+        try:
+            worker, lost = self._router.deregister_worker(request.worker_id)
+        except RouterError as error:
+            await _abort(context, error)
+        reply = wpb.DeregisterWorkerResponse(
+            worker=convert.worker_to_proto(worker), lost_sessions=lost
+        )
+        await self._commit()
+        return reply
+
+    async def GetWorker(
+        self, request: wpb.GetWorkerRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> wpb.GetWorkerResponse:
+        try:
+            worker = self._router.workers.get(request.worker_id)
+        except RouterError as error:
+            await _abort(context, error)
+        return wpb.GetWorkerResponse(worker=convert.worker_to_proto(worker))
+
+    async def ListWorkers(
+        self, request: wpb.ListWorkersRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> wpb.ListWorkersResponse:
+        try:
+            after = paging.decode("workers", request.page_token)
+        except RouterError as error:
+            await _abort(context, error)
+        workers, last = self._router.workers.page(paging.page_size(request.page_size), after)
+        return wpb.ListWorkersResponse(
+            workers=[convert.worker_to_proto(w) for w in workers],
+            next_page_token=paging.encode("workers", last),
+        )
+
+
+class SessionServicer(spb_grpc.SessionServiceServicer):
+    """SessionService over the router core."""
+
+    def __init__(self, router: SessionRouter, commit: Commit = _no_journal) -> None:
+        self._router = router
+        self._commit = commit
+
+    async def StartSession(
+        self, request: spb.StartSessionRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> spb.StartSessionResponse:
+        try:
+            started = self._router.start_session(convert.start_session_from_proto(request))
+        except RouterError as error:
+            await _abort(context, error)
+        reply = spb.StartSessionResponse(
+            session=convert.session_to_proto(started.session),
+            group_size=started.group.size,
+            group_created=started.group_created,
+            shared_worker=started.session.shared_worker,
+            replayed=started.replayed,
+        )
+        await self._commit()
+        return reply
+
+    async def StartGroup(
+        self, request: spb.StartGroupRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> spb.StartGroupResponse:
+        try:
+            started = self._router.start_group(convert.start_group_from_proto(request))
+        except RouterError as error:
+            await _abort(context, error)
+        reply = spb.StartGroupResponse(
+            group=convert.group_to_proto(started.group),
+            shared_worker=started.shared_worker,
+            replayed=started.replayed,
+        )
+        await self._commit()
+        return reply
+
+    async def AbortSession(
+        self, request: spb.AbortSessionRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> spb.AbortSessionResponse:
+        try:
+            session = self._router.abort_session(request.session, request.reason)
+        except RouterError as error:
+            await _abort(context, error)
+        reply = spb.AbortSessionResponse(session=convert.session_to_proto(session))
+        await self._commit()
+        return reply
+
+    async def GetSession(
+        self, request: spb.GetSessionRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> spb.GetSessionResponse:
+        try:
+            session = self._router.get_session(request.session)
+        except RouterError as error:
+            await _abort(context, error)
+        return spb.GetSessionResponse(session=convert.session_to_proto(session))
+
+    async def GetGroup(
+        self, request: spb.GetGroupRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> spb.GetGroupResponse:
+        try:
+            group = self._router.get_group(request.group_id)
+        except RouterError as error:
+            await _abort(context, error)
+        return spb.GetGroupResponse(group=convert.group_to_proto(group))
+
+    async def ListGroups(
+        self, request: spb.ListGroupsRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> spb.ListGroupsResponse:
+        try:
+            after = paging.decode_int("groups", request.page_token)
+            state = convert.group_state_from_proto(request.state)
+        except RouterError as error:
+            await _abort(context, error)
+        found, next_seq = self._router.groups.page(
+            paging.page_size(request.page_size), after, state
+        )
+        return spb.ListGroupsResponse(
+            groups=[convert.group_to_proto(g, with_members=False) for g in found],
+            next_page_token=paging.encode("groups", str(next_seq) if next_seq else ""),
+        )
+
+    async def SubmitRewards(
+        self,
+        request_iterator: AsyncIterable[spb.SubmitRewardsRequest],
+        context: grpc.aio.ServicerContext[object, object],
+    ) -> AsyncIterator[spb.SubmitRewardsResponse]:
+        stream = RewardStream()
+        reader = asyncio.create_task(self._read_rewards(request_iterator, stream))
+        try:
+            async for event in stream.events():
+                if isinstance(event, RewardAck):
+                    yield spb.SubmitRewardsResponse(
+                        ack=spb.RewardAck(
+                            sequence=event.sequence,
+                            results=[
+                                spb.RewardResult(
+                                    status=convert.REWARD_STATUS[r.status], detail=r.detail
+                                )
+                                for r in event.results
+                            ],
+                        )
+                    )
+                else:
+                    yield spb.SubmitRewardsResponse(group_result=convert.result_to_proto(event))
+            error = reader.exception() if reader.done() else None
+            if isinstance(error, RouterError):
+                await _abort(context, error)
+        finally:
+            if not reader.done():
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
+
+    async def _read_rewards(
+        self, requests: AsyncIterable[spb.SubmitRewardsRequest], stream: RewardStream
+    ) -> None:
+        try:
+            async for request in requests:
+                await stream.room(STREAM_BACKLOG_LIMIT)
+                if len(request.entries) > MAX_ENTRIES_PER_REQUEST:
+                    raise InvalidArgument(
+                        "TOO_MANY_ENTRIES",
+                        f"a request carries {len(request.entries)} entries, at most"
+                        f" {MAX_ENTRIES_PER_REQUEST} allowed",
+                        metadata={
+                            "entries": len(request.entries),
+                            "limit": MAX_ENTRIES_PER_REQUEST,
+                        },
+                        field_violations=[("entries", f"at most {MAX_ENTRIES_PER_REQUEST}")],
+                    )
+                number = stream.begin_request()
+                outcomes = self._router.submit_rewards(
+                    [(e.session, e.reward) for e in request.entries], origin=(stream, number)
+                )
+                await self._commit()
+                stream.ack(number, RewardAck(request.sequence, outcomes))
+        finally:
+            stream.end_input()
+
+    async def SubscribeGroups(
+        self,
+        request: spb.SubscribeGroupsRequest,
+        context: grpc.aio.ServicerContext[object, object],
+    ) -> AsyncIterator[spb.SubscribeGroupsResponse]:
+        feed = self._router.feed
+        cursor = feed.last_cursor if request.from_latest else request.after_cursor
+        while True:
+            try:
+                batch = feed.read_after(cursor, FEED_READ_BATCH)
+            except RouterError as error:
+                await _abort(context, error)
+            if not batch:
+                if not await feed.wait_beyond(cursor):
+                    return
+                continue
+            for result in batch:
+                yield spb.SubscribeGroupsResponse(group=convert.result_to_proto(result))
+                cursor = result.cursor
