@@ -14,6 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -82,6 +83,8 @@ class RouterServer:
         self._stopped = asyncio.Event()
         self.port = 0
         self._metrics: RouterCollector | None = None
+        self._metrics_http: WSGIServer | None = None
+        self.metrics_port = 0
 
     async def start(self) -> int:
         """Binds, starts serving and returns the bound port (useful with port 0)."""
@@ -124,7 +127,8 @@ class RouterServer:
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if cfg.metrics_port is not None:
-            self._metrics = serve_metrics(self.router, cfg.metrics_port)
+            self._metrics, self._metrics_http = serve_metrics(self.router, cfg.metrics_port)
+            self.metrics_port = int(self._metrics_http.server_address[1])
         self._tasks = [
             asyncio.create_task(self.router.finalizer.run(), name="finalizer"),
             asyncio.create_task(self._tick(), name="expiry"),
@@ -172,6 +176,9 @@ class RouterServer:
                 await task
         self.router.finalizer.drain()
         await self.commit()
+        if self._metrics_http is not None:
+            await asyncio.to_thread(self._metrics_http.shutdown)
+            self._metrics_http.server_close()
         self._stopped.set()
         log.info("stopped", extra={"event": "stopped"})
 

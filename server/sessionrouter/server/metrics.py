@@ -8,6 +8,7 @@ HTTP thread of prometheus_client only reads that immutable snapshot, never live 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -83,11 +84,14 @@ class RouterCollector(Collector):
         )
 
 
-def serve_metrics(router: SessionRouter, port: int, addr: str = "127.0.0.1") -> RouterCollector:
-    """Serves /metrics over HTTP on ``addr:port`` from a background thread; the caller
-    refreshes the returned collector from its event loop."""
+def serve_metrics(
+    router: SessionRouter, port: int, addr: str = "127.0.0.1"
+) -> tuple[RouterCollector, WSGIServer]:
+    """Serves /metrics over HTTP on ``addr:port`` (0 picks a free port) from a background
+    thread; returns the collector, which the caller refreshes from its event loop, and the
+    HTTP server (its ``server_address`` holds the bound port; ``shutdown()`` stops it)."""
     collector = RouterCollector(router)
     registry = CollectorRegistry()
     registry.register(collector)
-    start_http_server(port, addr=addr, registry=registry)
-    return collector
+    httpd, _ = start_http_server(port, addr=addr, registry=registry)
+    return collector, httpd

@@ -276,6 +276,9 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
     ) -> AsyncIterator[spb.SubscribeGroupsResponse]:
         feed = self._router.feed
         cursor = feed.last_cursor if request.from_latest else request.after_cursor
+        # Headers go out at once, so a client knows the subscription is live before the
+        # first group arrives (and can stop waiting for it to be set up).
+        await context.send_initial_metadata(())
         while True:
             try:
                 batch = feed.read_after(cursor, FEED_READ_BATCH)

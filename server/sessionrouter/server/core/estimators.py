@@ -178,12 +178,12 @@ def _moments(
     rewards: FloatArray, segment_ids: IndexArray, lengths: IndexArray, ddof: int
 ) -> _Moments:
     """Segmented mean, two-pass std and degenerate flags, in O(1) NumPy calls."""
-    n_rewards, n_groups = rewards.shape[0], lengths.shape[0]
     if rewards.ndim != 1 or segment_ids.shape != rewards.shape or lengths.ndim != 1:
         raise ValueError(
             f"rewards and segment_ids must be 1-D of one shape, lengths 1-D; got "
             f"{rewards.shape}, {segment_ids.shape}, {lengths.shape}"
         )
+    n_rewards, n_groups = rewards.shape[0], lengths.shape[0]
     if n_groups == 0:
         if n_rewards:
             raise ValueError(f"{n_rewards} rewards but no groups")

@@ -49,7 +49,8 @@ def _pack(groups: Sequence[GroupRewards]) -> tuple[NDArray[np.float64], NDArray[
     """Concatenate the groups into rewards (N,) float64 and return them with lengths (G,)."""
     lengths = np.fromiter(map(len, groups), dtype=np.intp, count=len(groups))
     n_rewards = int(lengths.sum())
-    if all(isinstance(g, np.ndarray) for g in groups):
+    # Checking the first group first keeps the common all-lists case free of an O(G) scan.
+    if isinstance(groups[0], np.ndarray) and all(isinstance(g, np.ndarray) for g in groups):
         rewards = np.concatenate(cast(Sequence[NDArray[np.float64]], groups)).astype(
             np.float64, copy=False
         )

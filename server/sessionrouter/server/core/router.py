@@ -359,11 +359,15 @@ class SessionRouter:
 
     def _resolve_options(self, spec: OptionsSpec, size: int) -> GroupSettings:
         default = self.settings.estimator
+        name = spec.estimator or default.name
+        # A server default of grpo with batch_std must not leak into a group that asks for
+        # another estimator (batch_std only means something for grpo).
+        inherited_batch_std = default.batch_std and name == "grpo"
         estimator = EstimatorParams(
-            name=spec.estimator or default.name,
+            name=name,
             eps=default.eps if spec.eps is None else spec.eps,
             ddof=default.ddof if spec.ddof is None else spec.ddof,
-            batch_std=default.batch_std if spec.batch_std is None else spec.batch_std,
+            batch_std=inherited_batch_std if spec.batch_std is None else spec.batch_std,
         )
         try:
             validate_params(estimator)

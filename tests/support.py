@@ -1,0 +1,103 @@
+"""Test support: real routers on 127.0.0.1:0, stubs to call them, error-detail decoding.
+
+Servers run in-process on the test's event loop with a ManualClock, so tests that need time
+to pass (heartbeat expiry, group deadlines) advance the clock instead of sleeping; the port is
+the one ``add_insecure_port`` returned, never a port picked and released beforehand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from sessionrouter.server.app import RouterServer, ServerConfig, WorkerSpec
+from sessionrouter.server.core.clock import ManualClock
+from sessionrouter.server.core.router import RouterSettings
+from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
+from sessionrouter.v1 import worker_service_pb2_grpc as wpb_grpc
+
+
+@dataclass
+class Harness:
+    """A running router and what a test needs to drive it."""
+
+    server: RouterServer
+    clock: ManualClock
+    address: str
+    channel: grpc.aio.Channel
+    sessions: spb_grpc.SessionServiceAsyncStub
+    workers: wpb_grpc.WorkerServiceAsyncStub
+
+    def expire(self) -> int:
+        """Runs the periodic expiry once, at the clock's current time."""
+        return self.server.router.expire_due()
+
+    def reduce(self) -> None:
+        """Reduces queued groups now instead of waiting for the micro-batch window."""
+        self.server.router.finalizer.drain()
+
+
+async def start_harness(
+    settings: RouterSettings | None = None,
+    workers: tuple[WorkerSpec, ...] = (),
+    **config: object,
+) -> Harness:
+    clock = ManualClock()
+    cfg = ServerConfig(
+        listen="127.0.0.1:0",
+        router=settings or RouterSettings(),
+        workers=workers,
+        static_workers_heartbeat=False,
+        tick_s=3600.0,
+        grace_s=1.0,
+        **config,  # type: ignore[arg-type]
+    )
+    server = RouterServer(cfg, clock=clock)
+    port = await server.start()
+    address = f"127.0.0.1:{port}"
+    channel = grpc.aio.insecure_channel(address)
+    return Harness(
+        server,
+        clock,
+        address,
+        channel,
+        spb_grpc.SessionServiceStub(channel),
+        wpb_grpc.WorkerServiceStub(channel),
+    )
+
+
+async def stop_harness(h: Harness) -> None:
+    await h.channel.close()
+    await h.server.stop(grace_s=0.5)
+
+
+@dataclass(frozen=True)
+class StatusDetails:
+    """What a failed call carried: code, ErrorInfo reason and metadata, field violations."""
+
+    code: grpc.StatusCode
+    message: str
+    reason: str
+    metadata: dict[str, str]
+    fields: list[str]
+    retry_delay_s: float | None
+
+
+def details_of(error: grpc.aio.AioRpcError) -> StatusDetails:
+    """Decodes the rich error details (grpcio-status) of a failed call."""
+    status = rpc_status.from_call(error)
+    reason, metadata, fields, delay = "", {}, [], None
+    for detail in status.details if status is not None else []:
+        info = error_details_pb2.ErrorInfo()
+        bad = error_details_pb2.BadRequest()
+        retry = error_details_pb2.RetryInfo()
+        if detail.Unpack(info):
+            reason, metadata = info.reason, dict(info.metadata)
+        elif detail.Unpack(bad):
+            fields = [v.field for v in bad.field_violations]
+        elif detail.Unpack(retry):
+            delay = retry.retry_delay.ToNanoseconds() / 1e9
+    return StatusDetails(error.code(), error.details() or "", reason, metadata, fields, delay)
