@@ -39,12 +39,18 @@ async def register_pool(h: Harness, n: int = 8) -> None:
 
 
 class RewardClient:
-    """One open SubmitRewards stream: send a request, read responses as they come."""
+    """One open SubmitRewards stream: send requests; read acks and group results apart.
+
+    Checks on the way the ordering the contract promises: acks in request order, and within
+    a message the group results after its ack."""
 
     def __init__(self, h: Harness) -> None:
         self._out: asyncio.Queue[spb.SubmitRewardsRequest | None] = asyncio.Queue()
         self.call = h.sessions.SubmitRewards(self._requests())
         self._seq = 0
+        self._acks: list[spb.RewardAck] = []
+        self._results: list[pb.GroupResult] = []
+        self.messages = 0
 
     async def _requests(self) -> AsyncIterator[spb.SubmitRewardsRequest]:
         while (item := await self._out.get()) is not None:
@@ -60,20 +66,44 @@ class RewardClient:
         )
         return self._seq
 
-    async def read(self) -> spb.SubmitRewardsResponse:
+    def _take(self, response: spb.SubmitRewardsResponse) -> None:
+        self.messages += 1
+        if response.HasField("ack"):
+            expected = self._acks[-1].sequence + 1 if self._acks else 1
+            assert response.ack.sequence == expected
+            self._acks.append(response.ack)
+        self._results += response.group_results
+
+    async def _read_one(self) -> None:
         response = await asyncio.wait_for(self.call.read(), 5)
         assert isinstance(response, spb.SubmitRewardsResponse)
-        return response
+        self._take(response)
 
-    async def close(self) -> list[spb.SubmitRewardsResponse]:
+    async def ack(self) -> spb.RewardAck:
+        """The next ack not yet returned."""
+        while not self._acks or self._acks[-1].sequence <= self._acked:
+            await self._read_one()
+        self._acked += 1
+        return next(a for a in self._acks if a.sequence == self._acked)
+
+    _acked = 0
+
+    async def results(self, count: int) -> list[pb.GroupResult]:
+        """The next ``count`` group results not yet returned."""
+        while len(self._results) < count:
+            await self._read_one()
+        taken, self._results = self._results[:count], self._results[count:]
+        return taken
+
+    async def close(self) -> tuple[int, int]:
+        """Half-closes and reads to the end; returns (acks, results) that were still unread."""
         await self._out.put(None)
-        rest = []
         while isinstance(
             response := await asyncio.wait_for(self.call.read(), 5), spb.SubmitRewardsResponse
         ):
-            rest.append(response)
+            self._take(response)
         assert response is grpc.aio.EOF
-        return rest
+        return (len(self._acks) - self._acked, len(self._results))
 
 
 async def test_every_entry_gets_its_own_result_and_bad_ones_change_nothing(
@@ -97,7 +127,7 @@ async def test_every_entry_gets_its_own_result_and_bad_ones_change_nothing(
             (b[1], 1.0),  # aborted
         ]
     )
-    ack = (await stream.read()).ack
+    ack = await stream.ack()
     assert ack.sequence == seq
     assert [r.status for r in ack.results] == [
         S.REWARD_STATUS_ACCEPTED,
@@ -118,10 +148,10 @@ async def test_every_entry_gets_its_own_result_and_bad_ones_change_nothing(
     ).session.state == pb.SESSION_STATE_OPEN
     # The stream survived every bad entry and keeps working.
     await stream.send([(a[1], 0.0), (a[2], 0.0)])
-    assert [r.status for r in (await stream.read()).ack.results] == [S.REWARD_STATUS_ACCEPTED] * 2
-    result = (await stream.read()).group_result
+    assert [r.status for r in (await stream.ack()).results] == [S.REWARD_STATUS_ACCEPTED] * 2
+    (result,) = await stream.results(1)
     assert result.group_id == "a" and result.outcome == pb.GROUP_OUTCOME_COMPLETE
-    assert await stream.close() == []
+    assert await stream.close() == (0, 0)
 
 
 async def test_completed_group_comes_back_with_grpo_advantages(harness: Harness) -> None:
@@ -129,8 +159,8 @@ async def test_completed_group_comes_back_with_grpo_advantages(harness: Harness)
     names = await make_group(harness, "g", 4)
     stream = RewardClient(harness)
     await stream.send([(names[i], r) for i, r in enumerate([1.0, 0.0, 0.0, 1.0])])
-    assert (await stream.read()).HasField("ack")
-    result = (await stream.read()).group_result
+    await stream.ack()
+    (result,) = await stream.results(1)
     rewards = np.array([1.0, 0.0, 0.0, 1.0])
     expected = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-6)
     assert list(result.sessions) == names
@@ -161,9 +191,8 @@ async def test_per_group_estimator_and_degenerate_groups(harness: Harness) -> No
             (one[0], 5.0),
         ]
     )
-    responses = [await stream.read() for _ in range(4)]
-    results = {r.group_result.group_id: r.group_result for r in responses[1:]}
-    assert responses[0].HasField("ack")
+    await stream.ack()
+    results = {r.group_id: r for r in await stream.results(3)}
     np.testing.assert_allclose(results["rloo"].advantages, [-1.5, 0.0, 1.5], atol=1e-12)
     assert list(results["flat"].advantages) == [0.0, 0.0, 0.0] and results["flat"].degenerate
     assert list(results["one"].advantages) == [0.0] and results["one"].degenerate
@@ -176,13 +205,13 @@ async def test_rewards_from_several_streams_complete_a_group_once(harness: Harne
     names = await make_group(harness, "g", 4)
     first, second = RewardClient(harness), RewardClient(harness)
     await first.send([(names[0], 1.0), (names[1], 2.0)])
-    await first.read()
+    await first.ack()
     await second.send([(names[2], 3.0), (names[3], 4.0)])
-    await second.read()
-    result = (await second.read()).group_result  # the stream that completed it gets it
+    await second.ack()
+    (result,) = await second.results(1)  # the stream that completed it gets it
     assert result.group_id == "g"
-    assert await first.close() == []
-    assert await second.close() == []
+    assert await first.close() == (0, 0)
+    assert await second.close() == (0, 0)
 
 
 async def test_half_close_right_after_last_reward_still_delivers_the_group(
@@ -192,15 +221,14 @@ async def test_half_close_right_after_last_reward_still_delivers_the_group(
     names = await make_group(harness, "g", 2)
     stream = RewardClient(harness)
     await stream.send([(names[0], 1.0), (names[1], 0.0)])
-    rest = await stream.close()
-    assert [r.WhichOneof("event") for r in rest] == ["ack", "group_result"]
+    assert await stream.close() == (1, 1)
 
 
 async def test_too_many_entries_in_one_request_ends_the_stream_clearly(harness: Harness) -> None:
     stream = RewardClient(harness)
     await stream.send([("groups/g/sessions/0", 1.0)] * 4097)
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stream.read()
+        await stream.ack()
     details = details_of(info.value)
     assert details.code == grpc.StatusCode.INVALID_ARGUMENT
     assert details.reason == "TOO_MANY_ENTRIES"
@@ -213,7 +241,7 @@ async def collect_feed(h: Harness, after: int, count: int) -> list[pb.GroupResul
         while len(got) < count:
             response = await asyncio.wait_for(call.read(), 5)
             assert isinstance(response, spb.SubscribeGroupsResponse)
-            got.append(response.group)
+            got += response.groups
     finally:
         call.cancel()
     return got
@@ -247,7 +275,7 @@ async def test_live_subscriber_receives_groups_as_they_finish(harness: Harness) 
     await stream.send([(names[0], 1.0), (names[1], 0.0)])
     response = await asyncio.wait_for(call.read(), 5)
     assert isinstance(response, spb.SubscribeGroupsResponse)
-    assert response.group.group_id == "live"
+    assert [g.group_id for g in response.groups] == ["live"]
     call.cancel()
     await stream.close()
 
@@ -269,7 +297,7 @@ async def test_expired_cursor_is_out_of_range_with_the_oldest_cursor() -> None:
         for i in range(20):
             names = await make_group(h, f"g{i}", 1)
             await stream.send([(names[0], 1.0)])
-            await stream.read()
+            await stream.ack()
         h.reduce()
         call = h.sessions.SubscribeGroups(spb.SubscribeGroupsRequest(after_cursor=1))
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -288,7 +316,7 @@ async def test_deadline_finalizes_partial_group_with_enough_members(harness: Har
     names = await make_group(harness, "p", 4, pb.GroupOptions(min_members=2))
     stream = RewardClient(harness)
     await stream.send([(names[0], 1.0), (names[1], 0.0), (names[2], 0.5)])
-    await stream.read()
+    await stream.ack()
     harness.clock.advance(599)
     assert harness.expire() == 0
     harness.clock.advance(2)
@@ -301,7 +329,7 @@ async def test_deadline_finalizes_partial_group_with_enough_members(harness: Har
     np.testing.assert_allclose(result.advantages, [1.0, -1.0, 0.0], atol=1e-5)
     # A late reward for the excluded member is refused, and its slot was freed.
     await stream.send([(names[3], 1.0)])
-    assert (await stream.read()).ack.results[0].status == S.REWARD_STATUS_GROUP_CLOSED
+    assert (await stream.ack()).results[0].status == S.REWARD_STATUS_GROUP_CLOSED
     workers = (await harness.workers.ListWorkers(wpb.ListWorkersRequest())).workers
     assert sum(w.open_sessions for w in workers) == 0
     group = (await harness.sessions.GetGroup(spb.GetGroupRequest(group_id="p"))).group
@@ -316,7 +344,7 @@ async def test_deadline_drops_group_with_too_few_members(harness: Harness) -> No
     )
     stream = RewardClient(harness)
     await stream.send([(names[0], 1.0)])
-    await stream.read()
+    await stream.ack()
     harness.clock.advance(31)
     assert harness.expire() == 1
     harness.reduce()
@@ -335,8 +363,8 @@ async def test_aborted_members_leave_the_statistics(harness: Harness) -> None:
     await harness.sessions.AbortSession(spb.AbortSessionRequest(session=names[3]))
     stream = RewardClient(harness)
     await stream.send([(names[0], 3.0), (names[1], 1.0), (names[2], 2.0)])
-    await stream.read()
-    result = (await stream.read()).group_result
+    await stream.ack()
+    (result,) = await stream.results(1)
     assert result.outcome == pb.GROUP_OUTCOME_PARTIAL
     assert list(result.excluded_sessions) == [names[3]]
     assert result.mean == 2.0
@@ -350,7 +378,7 @@ async def test_group_on_a_lost_worker_can_still_finish(harness: Harness) -> None
     await harness.workers.DeregisterWorker(wpb.DeregisterWorkerRequest(worker_id=member.worker_id))
     stream = RewardClient(harness)
     await stream.send([(names[0], 1.0)])
-    await stream.read()
+    await stream.ack()
     harness.clock.advance(601)
     harness.expire()
     harness.reduce()
@@ -369,9 +397,11 @@ async def test_groups_finishing_together_are_reduced_in_one_micro_batch() -> Non
         stream = RewardClient(h)
         batches_before = h.server.router.finalizer.batches
         await stream.send([(n, float(j)) for names in groups for j, n in enumerate(names)])
-        responses = [await stream.read() for _ in range(21)]
-        assert responses[0].HasField("ack")
-        assert sorted(r.group_result.cursor for r in responses[1:]) == list(range(1, 21))
+        await stream.ack()
+        results = await stream.results(20)
+        assert [r.cursor for r in results] == list(range(1, 21))
+        # One micro-batch, so the twenty results travel in one message after the ack's.
+        assert stream.messages <= 2
         assert h.server.router.finalizer.batches - batches_before == 1
         await stream.close()
     finally:

@@ -19,7 +19,7 @@ import grpc
 from sessionrouter.server import convert, paging
 from sessionrouter.server.core.errors import InvalidArgument, RouterError
 from sessionrouter.server.core.router import SessionRouter
-from sessionrouter.server.core.streams import RewardAck, RewardStream
+from sessionrouter.server.core.streams import RewardAck, RewardStream, StreamEvent
 from sessionrouter.server.status import to_status
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
@@ -32,6 +32,9 @@ MAX_ENTRIES_PER_REQUEST = 4096
 STREAM_BACKLOG_LIMIT = 1024
 """Queued responses of one SubmitRewards stream beyond which its reader stops reading."""
 FEED_READ_BATCH = 256
+"""Groups per SubscribeGroups message, at most."""
+RESULTS_PER_MESSAGE = 256
+"""Group results per SubmitRewards message, at most."""
 
 Commit = Callable[[], Awaitable[None]]
 """Returns once every state change made so far is durable (a no-op without a journal)."""
@@ -44,6 +47,34 @@ async def _no_journal() -> None:
 async def _abort(context: grpc.aio.ServicerContext[object, object], error: RouterError) -> NoReturn:
     await context.abort_with_status(to_status(error))
     raise AssertionError("abort_with_status returned")  # pragma: no cover
+
+
+def _pack_stream_events(events: list[StreamEvent]) -> list[spb.SubmitRewardsResponse]:
+    """Packs queued stream events into as few messages as the contract allows: each ack
+    opens a message, and the group results after it ride along (at most
+    RESULTS_PER_MESSAGE per message)."""
+    messages: list[spb.SubmitRewardsResponse] = []
+    current: spb.SubmitRewardsResponse | None = None
+    for event in events:
+        if isinstance(event, RewardAck):
+            current = spb.SubmitRewardsResponse(ack=_ack_to_proto(event))
+            messages.append(current)
+        else:
+            if current is None or len(current.group_results) >= RESULTS_PER_MESSAGE:
+                current = spb.SubmitRewardsResponse()
+                messages.append(current)
+            current.group_results.append(convert.result_to_proto(event))
+    return messages
+
+
+def _ack_to_proto(ack: RewardAck) -> spb.RewardAck:
+    return spb.RewardAck(
+        sequence=ack.sequence,
+        results=[
+            spb.RewardResult(status=convert.REWARD_STATUS[r.status], detail=r.detail)
+            for r in ack.results
+        ],
+    )
 
 
 class WorkerServicer(wpb_grpc.WorkerServiceServicer):
@@ -219,21 +250,9 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
         stream = RewardStream()
         reader = asyncio.create_task(self._read_rewards(request_iterator, stream))
         try:
-            async for event in stream.events():
-                if isinstance(event, RewardAck):
-                    yield spb.SubmitRewardsResponse(
-                        ack=spb.RewardAck(
-                            sequence=event.sequence,
-                            results=[
-                                spb.RewardResult(
-                                    status=convert.REWARD_STATUS[r.status], detail=r.detail
-                                )
-                                for r in event.results
-                            ],
-                        )
-                    )
-                else:
-                    yield spb.SubmitRewardsResponse(group_result=convert.result_to_proto(event))
+            async for batch in stream.batches():
+                for response in _pack_stream_events(batch):
+                    yield response
             error = reader.exception() if reader.done() else None
             if isinstance(error, RouterError):
                 await _abort(context, error)
@@ -288,6 +307,5 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
                 if not await feed.wait_beyond(cursor):
                     return
                 continue
-            for result in batch:
-                yield spb.SubscribeGroupsResponse(group=convert.result_to_proto(result))
-                cursor = result.cursor
+            yield spb.SubscribeGroupsResponse(groups=[convert.result_to_proto(r) for r in batch])
+            cursor = batch[-1].cursor

@@ -585,31 +585,37 @@ Global___RewardAck: _TypeAlias = RewardAck  # noqa: Y015
 
 @_typing.final
 class SubmitRewardsResponse(_message.Message):
+    """One message of the SubmitRewards response stream. Results of groups are batched: a single
+    message may carry many, which matters when thousands of groups finish per second.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ACK_FIELD_NUMBER: _builtins.int
-    GROUP_RESULT_FIELD_NUMBER: _builtins.int
+    GROUP_RESULTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ack(self) -> Global___RewardAck:
-        """Sent once per request, in request order."""
+        """Present when this message answers a request; acks come once per request, in request
+        order.
+        """
 
     @_builtins.property
-    def group_result(self) -> _resources_pb2.GroupResult:
-        """A group that a reward on this stream finalized. Sent after the ack of that request."""
+    def group_results(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.GroupResult]:
+        """Groups that rewards sent on this stream finalized, in cursor order. A group's result is
+        never sent before the ack of the request that finalized it (it may share that message).
+        """
 
     def __init__(
         self,
         *,
         ack: Global___RewardAck | None = ...,
-        group_result: _resources_pb2.GroupResult | None = ...,
+        group_results: _abc.Iterable[_resources_pb2.GroupResult] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "event", b"event", "group_result", b"group_result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "event", b"event", "group_result", b"group_result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "group_results", b"group_results"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["ack", "group_result"]  # noqa: Y015
-    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SubmitRewardsResponse: _TypeAlias = SubmitRewardsResponse  # noqa: Y015
 
@@ -644,17 +650,21 @@ Global___SubscribeGroupsRequest: _TypeAlias = SubscribeGroupsRequest  # noqa: Y0
 class SubscribeGroupsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    GROUP_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def group(self) -> _resources_pb2.GroupResult: ...
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.GroupResult]:
+        """One or more groups, in cursor order; together the messages of a stream hold every
+        group with a cursor above the requested one exactly once.
+        """
+
     def __init__(
         self,
         *,
-        group: _resources_pb2.GroupResult | None = ...,
+        groups: _abc.Iterable[_resources_pb2.GroupResult] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["group", b"group"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -159,7 +159,8 @@ class SessionServiceServicer:
         """Submits rewards. Each request carries one or many entries, and is answered by one
         `ack` with a result per entry. A bad entry gets its own status and never ends the
         stream. When a reward completes a group, the group's result (advantages included) is
-        sent on this stream as a `group_result`, and on the feed of SubscribeGroups.
+        sent on this stream in `group_results`, and on the feed of SubscribeGroups. After the
+        client half-closes, the server still sends the results owed, then ends the stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

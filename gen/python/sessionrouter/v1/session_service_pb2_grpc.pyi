@@ -68,7 +68,8 @@ class SessionServiceStub:
     """Submits rewards. Each request carries one or many entries, and is answered by one
     `ack` with a result per entry. A bad entry gets its own status and never ends the
     stream. When a reward completes a group, the group's result (advantages included) is
-    sent on this stream as a `group_result`, and on the feed of SubscribeGroups.
+    sent on this stream in `group_results`, and on the feed of SubscribeGroups. After the
+    client half-closes, the server still sends the results owed, then ends the stream.
     """
     SubscribeGroups: _grpc.UnaryStreamMultiCallable[_session_service_pb2.SubscribeGroupsRequest, _session_service_pb2.SubscribeGroupsResponse]
     """Streams every finalized or dropped group, in cursor order, starting after `after_cursor`.
@@ -116,7 +117,8 @@ class SessionServiceAsyncStub(SessionServiceStub):
     """Submits rewards. Each request carries one or many entries, and is answered by one
     `ack` with a result per entry. A bad entry gets its own status and never ends the
     stream. When a reward completes a group, the group's result (advantages included) is
-    sent on this stream as a `group_result`, and on the feed of SubscribeGroups.
+    sent on this stream in `group_results`, and on the feed of SubscribeGroups. After the
+    client half-closes, the server still sends the results owed, then ends the stream.
     """
     SubscribeGroups: _aio.UnaryStreamMultiCallable[_session_service_pb2.SubscribeGroupsRequest, _session_service_pb2.SubscribeGroupsResponse]  # type: ignore[assignment]
     """Streams every finalized or dropped group, in cursor order, starting after `after_cursor`.
@@ -203,7 +205,8 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         """Submits rewards. Each request carries one or many entries, and is answered by one
         `ack` with a result per entry. A bad entry gets its own status and never ends the
         stream. When a reward completes a group, the group's result (advantages included) is
-        sent on this stream as a `group_result`, and on the feed of SubscribeGroups.
+        sent on this stream in `group_results`, and on the feed of SubscribeGroups. After the
+        client half-closes, the server still sends the results owed, then ends the stream.
         """
 
     @_abc_1.abstractmethod

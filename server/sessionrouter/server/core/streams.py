@@ -93,12 +93,17 @@ class RewardStream:
             self._room.clear()
             await self._room.wait()
 
-    async def events(self) -> AsyncIterator[StreamEvent]:
-        """Yields events in wire order until input ended and nothing is owed."""
+    async def batches(self) -> AsyncIterator[list[StreamEvent]]:
+        """Yields everything queued, in wire order, as soon as anything is; ends once input
+        ended and nothing is owed. Batching lets the writer pack many group results into
+        one message."""
         while True:
-            while self._events:
-                yield self._events.popleft()
+            if self._events:
+                batch = list(self._events)
+                self._events.clear()
                 self._room.set()
+                yield batch
+                continue
             if self._input_done and self._pending_groups <= 0 and not self._held:
                 return
             self._ready.clear()

@@ -1,0 +1,87 @@
+"""Helpers shared by the benchmark scripts: start a router process, time things, print tables.
+
+Benchmarks run the server in its own process (as in production) on 127.0.0.1, bounded in
+count and time, and report medians over repeats plus ratios against a baseline measured in
+the same run, since absolute numbers on a shared machine drift.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def header(title: str) -> None:
+    """Prints what was measured, where and with what, so a pasted table can be trusted."""
+    import grpc
+    import numpy as np
+
+    print(f"# {title}")
+    print(f"# command: {' '.join([Path(sys.executable).name, *sys.argv])}")
+    print(
+        f"# python {platform.python_version()}, grpcio {grpc.__version__}, numpy"
+        f" {np.__version__}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}"
+    )
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+@contextlib.contextmanager
+def server_process(args: Sequence[str], timeout_s: float = 30.0) -> Iterator[str]:
+    """Runs a server command that takes ``--port-file`` and yields its ``127.0.0.1:port``.
+
+    The command is stopped with SIGTERM (then SIGKILL) when the block ends."""
+    with tempfile.TemporaryDirectory() as tmp:
+        port_file = Path(tmp) / "port"
+        proc = subprocess.Popen(
+            [*args, "--port-file", str(port_file)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+        )
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not port_file.exists():
+                if proc.poll() is not None:
+                    err = proc.stderr.read().decode() if proc.stderr else ""
+                    raise RuntimeError(f"server exited with {proc.returncode}: {err[-2000:]}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError("server did not write its port file in time")
+                time.sleep(0.05)
+            yield f"127.0.0.1:{port_file.read_text().strip()}"
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def router_command(*extra: str) -> list[str]:
+    """The real router, without a journal (benchmarks of the journal set their own)."""
+    cmd = [sys.executable, "-m", "sessionrouter.server", "serve", "--listen", "127.0.0.1:0",
+           "--log-level", "warning"]
+    if "--in-memory" in _serve_help():
+        cmd.append("--in-memory")
+    return [*cmd, *extra]
+
+
+def _serve_help() -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "sessionrouter.server", "serve", "--help"],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    ).stdout
