@@ -69,8 +69,16 @@ test: venv proto-check lint lint-proto interop-deps  ## everything CI runs: stub
 test-fast: venv  ## only the pytest suite
 	$(VENV)/bin/pytest
 
-run: venv  ## start the router on $(ADDR) with embedded defaults
-	$(VENV)/bin/sessionrouter serve --listen $(ADDR)
+run: venv  ## start the router on $(ADDR) with a demo pool of 8 workers
+	$(VENV)/bin/sessionrouter serve --listen $(ADDR) --demo-workers 8 --log-format text
+
+demo: venv  ## end-to-end online-RL simulation against a router on $(ADDR) (make run)
+	$(VENV)/bin/python scripts/demo.py --address $(ADDR)
+
+bench: venv  ## placement, reducer and reward-stream benchmarks (prints tables)
+	$(VENV)/bin/python scripts/bench_reducer.py
+	$(VENV)/bin/python scripts/bench_placement.py
+	$(VENV)/bin/python scripts/bench_rewards.py
 
 clean:  ## remove the virtual environment, tools and caches
 	rm -rf $(VENV) $(TOOLS) .mypy_cache .pytest_cache .ruff_cache build *.egg-info
