@@ -1,0 +1,119 @@
+"""Ordering of a reward stream's events, and the feed's cursors, retention and wake-ups."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from sessionrouter.server.core.errors import OutOfRange
+from sessionrouter.server.core.estimators import EstimatorParams
+from sessionrouter.server.core.feed import GroupFeed, GroupOutcome, GroupResult
+from sessionrouter.server.core.rewards import ACCEPTED
+from sessionrouter.server.core.streams import RewardAck, RewardStream, StreamEvent
+
+
+def result(cursor: int) -> GroupResult:
+    return GroupResult(
+        cursor=cursor,
+        group_id=f"g{cursor}",
+        task_id="t",
+        outcome=GroupOutcome.COMPLETE,
+        group_size=1,
+        sessions=(f"groups/g{cursor}/sessions/0",),
+        rewards=np.ones(1),
+        advantages=np.zeros(1),
+        mean=1.0,
+        std=0.0,
+        estimator=EstimatorParams(),
+        degenerate=True,
+        excluded_sessions=(),
+        finalize_time=0.0,
+    )
+
+
+async def drain(stream: RewardStream) -> list[StreamEvent]:
+    events: list[StreamEvent] = []
+    async for batch in stream.batches():
+        events += batch
+    return events
+
+
+async def test_a_result_ready_before_its_ack_waits_for_the_ack() -> None:
+    stream = RewardStream()
+    first = stream.begin_request()
+    stream.expect_group()
+    stream.deliver(first, result(1))  # reduced before the journal acknowledged the request
+    assert stream.backlog == 1
+    stream.ack(first, RewardAck(7, [ACCEPTED]))
+    stream.end_input()
+    events = await drain(stream)
+    assert isinstance(events[0], RewardAck) and events[0].sequence == 7
+    assert isinstance(events[1], GroupResult) and events[1].cursor == 1
+
+
+async def test_stream_ends_only_after_owed_results_arrive() -> None:
+    stream = RewardStream()
+    number = stream.begin_request()
+    stream.expect_group()
+    stream.ack(number, RewardAck(1, [ACCEPTED]))
+    stream.end_input()
+    reader = asyncio.create_task(drain(stream))
+    await asyncio.sleep(0.01)
+    assert not reader.done()  # the group result is still owed
+    stream.deliver(number, result(1))
+    events = await asyncio.wait_for(reader, 1)
+    assert [type(e).__name__ for e in events] == ["RewardAck", "GroupResult"]
+
+
+async def test_room_blocks_a_reader_until_events_are_written() -> None:
+    stream = RewardStream()
+    for i in range(3):
+        stream.ack(stream.begin_request(), RewardAck(i, []))
+    waiter = asyncio.create_task(stream.room(1))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    batches = stream.batches()
+    await anext(batches)
+    await asyncio.wait_for(waiter, 1)
+
+
+def test_feed_gives_gapless_cursors_and_reads_after_a_cursor() -> None:
+    feed = GroupFeed(retention=100)
+    for cursor in range(1, 6):
+        feed.publish(result(cursor))
+    assert [r.cursor for r in feed.read_after(2, 10)] == [3, 4, 5]
+    assert [r.cursor for r in feed.read_after(0, 2)] == [1, 2]
+    assert feed.read_after(5, 10) == []
+    with pytest.raises(ValueError, match="out of order"):
+        feed.publish(result(9))
+
+
+def test_feed_evicts_beyond_retention_and_says_so() -> None:
+    feed = GroupFeed(retention=8)
+    for cursor in range(1, 31):
+        feed.publish(result(cursor))
+    assert feed.last_cursor == 30
+    assert 30 - feed.oldest_cursor + 1 <= 8 + 8 // 8
+    with pytest.raises(OutOfRange) as info:
+        feed.read_after(0, 10)
+    assert info.value.reason == "CURSOR_EXPIRED"
+    assert info.value.metadata["oldest_cursor"] == str(feed.oldest_cursor)
+    with pytest.raises(OutOfRange) as info:
+        feed.read_after(31, 10)
+    assert info.value.reason == "CURSOR_AHEAD_OF_FEED"
+    assert feed.read_after(feed.oldest_cursor - 1, 100)[0].cursor == feed.oldest_cursor
+
+
+async def test_feed_wakes_waiters_on_publish_and_on_close() -> None:
+    feed = GroupFeed(retention=10)
+    waiter = asyncio.create_task(feed.wait_beyond(0))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    feed.publish(result(1))
+    assert await asyncio.wait_for(waiter, 1) is True
+    closed = asyncio.create_task(feed.wait_beyond(1))
+    await asyncio.sleep(0)
+    feed.close()
+    assert await asyncio.wait_for(closed, 1) is False
