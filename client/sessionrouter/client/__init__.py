@@ -1,1 +1,115 @@
-"""Typed asyncio client for sessionrouter."""
+"""Typed asyncio client for sessionrouter.
+
+Start a GRPO group of 8 samples for one prompt, run each member on the worker the router
+chose for it, and get the group's advantages back::
+
+    from sessionrouter.client import SessionRouterClient, Session
+
+    async def rollout(session: Session) -> float:
+        text = await generate(session.worker_address, prompt)  # your inference call
+        return score(text)
+
+    async with SessionRouterClient.connect("127.0.0.1:50051") as client:
+        result = await client.run_group("prompt-42", 8, rollout)
+        advantages = result.advantages_array  # float64, aligned with result.sessions
+
+The same in steps, for a trainer that runs rollouts its own way::
+
+    started = await client.start_group("prompt-42", 8, group_id="step7-prompt42")
+    async with client.reward_stream() as rewards:
+        for session in started.sessions:  # all placed, on distinct workers when possible
+            ...                            # run it on session.worker_address
+            result = await rewards.submit(session.name, reward)  # result.ok, result.status
+    async for group in rewards.results():  # after the block: the groups these rewards ended
+        ...
+
+and a trainer that consumes every finished group, resuming after restarts::
+
+    async for group in client.subscribe_groups(after_cursor=last_cursor):
+        train_on(group)
+        last_cursor = group.cursor
+
+Values are frozen dataclasses (``sessionrouter.client.types``), never protobuf messages;
+failures raise ``SessionRouterError`` subclasses carrying the router's reason and details.
+"""
+
+from sessionrouter.client._client import Rollout, SessionRouterClient
+from sessionrouter.client._errors import (
+    AlreadyExistsError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    OutOfRangeError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    SessionRouterError,
+    StreamClosedError,
+    UnauthenticatedError,
+    UnavailableError,
+    UnimplementedError,
+)
+from sessionrouter.client._retry import RetryPolicy
+from sessionrouter.client._rewards import RewardStream
+from sessionrouter.client.types import (
+    DeregisterWorkerResult,
+    EstimatorConfig,
+    Group,
+    GroupOptions,
+    GroupOutcome,
+    GroupResult,
+    GroupState,
+    Page,
+    PlacementMode,
+    RegisterWorkerResult,
+    RewardResult,
+    RewardStatus,
+    Session,
+    SessionState,
+    StartGroupResult,
+    StartSessionResult,
+    SubmitRewardsResult,
+    Worker,
+    WorkerHealth,
+)
+
+__all__ = [
+    "AlreadyExistsError",
+    "DeadlineExceededError",
+    "DeregisterWorkerResult",
+    "EstimatorConfig",
+    "FailedPreconditionError",
+    "Group",
+    "GroupOptions",
+    "GroupOutcome",
+    "GroupResult",
+    "GroupState",
+    "InternalError",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "OutOfRangeError",
+    "Page",
+    "PermissionDeniedError",
+    "PlacementMode",
+    "RegisterWorkerResult",
+    "ResourceExhaustedError",
+    "RetryPolicy",
+    "RewardResult",
+    "RewardStatus",
+    "RewardStream",
+    "Rollout",
+    "Session",
+    "SessionRouterClient",
+    "SessionRouterError",
+    "SessionState",
+    "StartGroupResult",
+    "StartSessionResult",
+    "StreamClosedError",
+    "SubmitRewardsResult",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "UnimplementedError",
+    "Worker",
+    "WorkerHealth",
+]

@@ -1,0 +1,558 @@
+"""``SessionRouterClient``: one method per RPC of WorkerService and SessionService.
+
+Methods take and return the dataclasses of ``sessionrouter.client.types``; failures raise the
+``SessionRouterError`` hierarchy. Unary calls share one path (``_unary``): the caller's
+metadata, one overall deadline, and UNAVAILABLE retried under the client's ``RetryPolicy``
+(every unary call here is idempotent; see ``_retry``). Streams are not retried as a whole:
+the feed resumes from its cursor, and the reward stream fails its unacknowledged entries.
+"""
+
+# `timeout=` on these coroutines is the gRPC deadline, sent to the router and shared by the
+# retries of one call; `asyncio.timeout` around the call could not do either (ASYNC109).
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import grpc
+
+from sessionrouter.client import _convert
+from sessionrouter.client._errors import InternalError, SessionRouterError
+from sessionrouter.client._feed import follow_feed
+from sessionrouter.client._retry import Retrier, RetryPolicy
+from sessionrouter.client._rewards import RewardStream
+from sessionrouter.client.types import (
+    DeregisterWorkerResult,
+    Group,
+    GroupOptions,
+    GroupResult,
+    GroupState,
+    Page,
+    PlacementMode,
+    RegisterWorkerResult,
+    RewardStatus,
+    Session,
+    StartGroupResult,
+    StartSessionResult,
+    SubmitRewardsResult,
+    Worker,
+)
+from sessionrouter.v1 import session_service_pb2 as spb
+from sessionrouter.v1 import session_service_pb2_grpc, worker_service_pb2_grpc
+from sessionrouter.v1 import worker_service_pb2 as wpb
+
+__all__ = ["Rollout", "SessionRouterClient"]
+
+_log = logging.getLogger("sessionrouter.client")
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+Rollout = Callable[[Session], Awaitable[float]]
+"""A trainer's rollout: runs one session on ``session.worker_address``, returns its reward."""
+
+DEFAULT_TIMEOUT = 30.0
+"""Seconds a unary call may take by default, retries and their waits included."""
+
+
+class SessionRouterClient:
+    """Asyncio client for a sessionrouter.
+
+    Build it with ``SessionRouterClient.connect(target)`` (the client then owns and closes its
+    channel) or around a ``grpc.aio.Channel`` you manage. Use it as an async context manager,
+    or call ``close()``.
+
+    Args:
+        channel: the channel to call through.
+        token: sent as ``authorization: Bearer <token>`` on every call. Sent as plain metadata,
+            so it also works on an insecure channel; use TLS outside a trusted network.
+        metadata: extra ``(key, value)`` pairs sent on every call.
+        default_timeout: seconds a unary call may take when the call gives no ``timeout``;
+            ``None`` for no deadline. Streams have no default deadline.
+        retry_policy: how UNAVAILABLE is retried (unary calls, and feed reconnects).
+        owns_channel: close ``channel`` when the client closes (``connect`` sets it).
+    """
+
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        *,
+        token: str | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+        default_timeout: float | None = DEFAULT_TIMEOUT,
+        retry_policy: RetryPolicy | None = None,
+        owns_channel: bool = False,
+    ) -> None:
+        self._channel = channel
+        self._owns_channel = owns_channel
+        self._workers = worker_service_pb2_grpc.WorkerServiceStub(channel)
+        self._sessions = session_service_pb2_grpc.SessionServiceStub(channel)
+        auth = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata: tuple[tuple[str, str], ...] = (*auth, *metadata)
+        self._default_timeout = default_timeout
+        self._retrier = Retrier(retry_policy or RetryPolicy())
+
+    @classmethod
+    def connect(
+        cls,
+        target: str,
+        *,
+        token: str | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+        default_timeout: float | None = DEFAULT_TIMEOUT,
+        retry_policy: RetryPolicy | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> SessionRouterClient:
+        """Opens a channel to ``target`` (``host:port``); TLS when ``credentials`` are given.
+
+        The connection is made lazily, on the first call. ``options`` are gRPC channel
+        arguments, for example ``[("grpc.keepalive_time_ms", 30_000)]``.
+        """
+        if credentials is None:
+            channel = grpc.aio.insecure_channel(target, options=list(options))
+        else:
+            channel = grpc.aio.secure_channel(target, credentials, options=list(options))
+        return cls(
+            channel,
+            token=token,
+            metadata=metadata,
+            default_timeout=default_timeout,
+            retry_policy=retry_policy,
+            owns_channel=True,
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Closes the channel if this client opened it (``connect``)."""
+        if self._owns_channel:
+            await self._channel.close()
+
+    async def _unary(
+        self,
+        method: grpc.aio.UnaryUnaryMultiCallable[Req, Resp],
+        request: Req,
+        timeout: float | None,
+    ) -> Resp:
+        async def attempt(remaining: float | None) -> Resp:
+            return await method(request, timeout=remaining, metadata=self._metadata)
+
+        budget = self._default_timeout if timeout is None else timeout
+        return await self._retrier.call(attempt, timeout=budget)
+
+    # WorkerService ------------------------------------------------------------------------
+
+    async def register_worker(
+        self,
+        worker_id: str,
+        address: str,
+        capacity: int,
+        *,
+        labels: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> RegisterWorkerResult:
+        """Adds a worker, or updates capacity and labels of a registered one (idempotent)."""
+        request = wpb.RegisterWorkerRequest(
+            worker_id=worker_id, address=address, capacity=capacity, labels=dict(labels or {})
+        )
+        response = await self._unary(self._workers.RegisterWorker, request, timeout)
+        return _convert.register_worker_result_from_proto(response)
+
+    async def heartbeat(self, worker_id: str, *, timeout: float | None = None) -> Worker:
+        """Tells the router the worker is alive; call well within ``heartbeat_timeout``."""
+        request = wpb.HeartbeatRequest(worker_id=worker_id)
+        response = await self._unary(self._workers.Heartbeat, request, timeout)
+        return _convert.worker_from_proto(response.worker)
+
+    async def drain_worker(
+        self, worker_id: str, *, resume: bool = False, timeout: float | None = None
+    ) -> Worker:
+        """Stops placing new sessions on the worker (``resume=True`` restarts it)."""
+        request = wpb.DrainWorkerRequest(worker_id=worker_id, resume=resume)
+        response = await self._unary(self._workers.DrainWorker, request, timeout)
+        return _convert.worker_from_proto(response.worker)
+
+    async def deregister_worker(
+        self, worker_id: str, *, timeout: float | None = None
+    ) -> DeregisterWorkerResult:
+        """Removes a worker; its open sessions are marked ``worker_lost``."""
+        request = wpb.DeregisterWorkerRequest(worker_id=worker_id)
+        response = await self._unary(self._workers.DeregisterWorker, request, timeout)
+        return _convert.deregister_worker_result_from_proto(response)
+
+    async def get_worker(self, worker_id: str, *, timeout: float | None = None) -> Worker:
+        request = wpb.GetWorkerRequest(worker_id=worker_id)
+        response = await self._unary(self._workers.GetWorker, request, timeout)
+        return _convert.worker_from_proto(response.worker)
+
+    async def list_workers(
+        self, *, page_size: int = 0, page_token: str = "", timeout: float | None = None
+    ) -> Page[Worker]:
+        """One page of workers ordered by id; ``page_size`` 0 means the server's 100."""
+        request = wpb.ListWorkersRequest(page_size=page_size, page_token=page_token)
+        response = await self._unary(self._workers.ListWorkers, request, timeout)
+        return Page(
+            items=tuple(_convert.worker_from_proto(w) for w in response.workers),
+            next_page_token=response.next_page_token,
+        )
+
+    async def iter_workers(
+        self, *, page_size: int = 0, timeout: float | None = None
+    ) -> AsyncIterator[Worker]:
+        """Every worker, fetching pages as needed (``timeout`` applies per page)."""
+        token = ""
+        while True:
+            page = await self.list_workers(page_size=page_size, page_token=token, timeout=timeout)
+            for worker in page.items:
+                yield worker
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
+    # SessionService -----------------------------------------------------------------------
+
+    async def start_session(
+        self,
+        task_id: str,
+        *,
+        group_id: str | None = None,
+        group_size: int = 0,
+        request_id: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        options: GroupOptions | None = None,
+        placement: PlacementMode | None = None,
+        timeout: float | None = None,
+    ) -> StartSessionResult:
+        """Starts one session and places it on a worker.
+
+        Without ``group_id`` a new group is made; with one, the session joins that group (or
+        creates it if unknown). ``group_size`` 0 means 1 for a new group and "the group's size"
+        when joining. ``request_id`` (a uuid4 when omitted) is kept across retries, so a retry
+        never takes a second slot. ``metadata`` is kept with the session (not sent as gRPC
+        headers); ``options`` apply when this call creates the group.
+        """
+        request = _convert.start_session_request_to_proto(
+            task_id=task_id,
+            group_id=group_id,
+            group_size=group_size,
+            request_id=request_id or str(uuid.uuid4()),
+            metadata=metadata,
+            options=options,
+            placement=placement,
+        )
+        response = await self._unary(self._sessions.StartSession, request, timeout)
+        return _convert.start_session_result_from_proto(response)
+
+    async def start_group(
+        self,
+        task_id: str,
+        group_size: int,
+        *,
+        group_id: str | None = None,
+        request_id: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        options: GroupOptions | None = None,
+        placement: PlacementMode | None = None,
+        timeout: float | None = None,
+    ) -> StartGroupResult:
+        """Starts ``group_size`` sessions for ``task_id`` in one round trip: all or none.
+
+        ``result.sessions`` lists the members in index order, each with its worker.
+        ``request_id`` works as in ``start_session``.
+        """
+        request = _convert.start_group_request_to_proto(
+            task_id=task_id,
+            group_id=group_id,
+            group_size=group_size,
+            request_id=request_id or str(uuid.uuid4()),
+            metadata=metadata,
+            options=options,
+            placement=placement,
+        )
+        response = await self._unary(self._sessions.StartGroup, request, timeout)
+        return _convert.start_group_result_from_proto(response)
+
+    async def abort_session(
+        self, session: str, *, reason: str = "", timeout: float | None = None
+    ) -> Session:
+        """Ends a session early: frees its slot; it leaves its group's statistics."""
+        request = spb.AbortSessionRequest(session=session, reason=reason[:1024])
+        response = await self._unary(self._sessions.AbortSession, request, timeout)
+        return _convert.session_from_proto(response.session)
+
+    async def get_session(self, session: str, *, timeout: float | None = None) -> Session:
+        request = spb.GetSessionRequest(session=session)
+        response = await self._unary(self._sessions.GetSession, request, timeout)
+        return _convert.session_from_proto(response.session)
+
+    async def get_group(self, group_id: str, *, timeout: float | None = None) -> Group:
+        request = spb.GetGroupRequest(group_id=group_id)
+        response = await self._unary(self._sessions.GetGroup, request, timeout)
+        return _convert.group_from_proto(response.group)
+
+    async def list_groups(
+        self,
+        *,
+        state: GroupState | None = None,
+        page_size: int = 0,
+        page_token: str = "",
+        timeout: float | None = None,
+    ) -> Page[Group]:
+        """One page of groups in creation order, without members (``get_group`` has them)."""
+        request = spb.ListGroupsRequest(
+            page_size=page_size,
+            page_token=page_token,
+            state=_convert.group_state_to_proto(state),
+        )
+        response = await self._unary(self._sessions.ListGroups, request, timeout)
+        return Page(
+            items=tuple(_convert.group_from_proto(g) for g in response.groups),
+            next_page_token=response.next_page_token,
+        )
+
+    async def iter_groups(
+        self,
+        *,
+        state: GroupState | None = None,
+        page_size: int = 0,
+        timeout: float | None = None,
+    ) -> AsyncIterator[Group]:
+        """Every group (optionally in one state), fetching pages as needed."""
+        token = ""
+        while True:
+            page = await self.list_groups(
+                state=state, page_size=page_size, page_token=token, timeout=timeout
+            )
+            for group in page.items:
+                yield group
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
+    def reward_stream(
+        self,
+        *,
+        max_batch: int = 256,
+        max_delay: float = 0.005,
+        keep_results: bool = True,
+        close_timeout: float | None = 10.0,
+        timeout: float | None = None,
+    ) -> RewardStream:
+        """A long-lived SubmitRewards stream for concurrent submitters; see ``RewardStream``.
+
+        ``timeout`` (seconds) is a deadline for the whole stream; ``None`` for none.
+        """
+
+        def open_call() -> grpc.aio.StreamStreamCall[
+            spb.SubmitRewardsRequest, spb.SubmitRewardsResponse
+        ]:
+            return self._sessions.SubmitRewards(timeout=timeout, metadata=self._metadata)
+
+        return RewardStream(
+            open_call,
+            max_batch=max_batch,
+            max_delay=max_delay,
+            keep_results=keep_results,
+            close_timeout=close_timeout,
+        )
+
+    async def submit_rewards(
+        self,
+        rewards: Mapping[str, float] | Iterable[tuple[str, float]],
+        *,
+        timeout: float | None = None,
+    ) -> SubmitRewardsResult:
+        """Submits rewards over a short-lived stream and returns their results.
+
+        ``rewards`` maps session names to rewards. The results are aligned with the entries;
+        ``group_results`` holds the groups these rewards finalized. Retried on UNAVAILABLE,
+        which is safe (a reward recorded by a lost attempt comes back DUPLICATE), but a group
+        finalized by a lost attempt is then only on the feed. For many concurrent rollouts
+        prefer one ``reward_stream``.
+        """
+        entries = list(rewards.items() if isinstance(rewards, Mapping) else rewards)
+
+        async def attempt(remaining: float | None) -> SubmitRewardsResult:
+            stream = self.reward_stream(max_batch=4096, max_delay=0.0, timeout=remaining)
+            async with stream:
+                results = await stream.submit_many(entries)
+            return SubmitRewardsResult(
+                results=tuple(results),
+                group_results=tuple([r async for r in stream.results()]),
+            )
+
+        budget = self._default_timeout if timeout is None else timeout
+        return await self._retrier.call(attempt, timeout=budget)
+
+    def subscribe_groups(
+        self,
+        *,
+        after_cursor: int = 0,
+        from_latest: bool = False,
+        retry_policy: RetryPolicy | None = None,
+    ) -> AsyncGenerator[GroupResult, None]:
+        """Every finalized or dropped group after ``after_cursor``, then new ones as they come.
+
+        Pass the cursor of the last group you processed to resume after a restart of the
+        trainer. The iterator reconnects by itself on UNAVAILABLE (see ``_feed``), with the
+        client's retry policy unless ``retry_policy`` is given. It never ends by itself;
+        break out of the loop (or ``aclose()`` it, or cancel the task) to stop.
+        """
+        retrier = self._retrier if retry_policy is None else Retrier(retry_policy)
+
+        def open_call(
+            request: spb.SubscribeGroupsRequest,
+        ) -> grpc.aio.UnaryStreamCall[spb.SubscribeGroupsRequest, spb.SubscribeGroupsResponse]:
+            return self._sessions.SubscribeGroups(request, metadata=self._metadata)
+
+        return follow_feed(
+            open_call, after_cursor=after_cursor, from_latest=from_latest, retrier=retrier
+        )
+
+    # Group helpers ------------------------------------------------------------------------
+
+    async def wait_group_result(
+        self,
+        group_id: str,
+        *,
+        poll_interval: float = 0.01,
+        max_poll_interval: float = 1.0,
+    ) -> GroupResult:
+        """Waits until ``group_id`` is finalized or dropped, and returns its result.
+
+        Polls ``get_group`` (every ``poll_interval`` seconds, doubling up to
+        ``max_poll_interval``) until the group has a feed cursor, then reads that one result
+        from the feed. An incomplete group ends at its deadline, so this may take that long.
+        """
+        interval = poll_interval
+        while True:
+            group = await self.get_group(group_id)
+            if group.cursor > 0:
+                break
+            await asyncio.sleep(interval)
+            interval = min(interval * 2, max_poll_interval)
+        feed = self.subscribe_groups(after_cursor=group.cursor - 1)
+        try:
+            result = await anext(feed)
+        finally:
+            await feed.aclose()
+        if result.group_id != group_id:
+            raise InternalError(
+                f"feed cursor {group.cursor} holds group {result.group_id!r}, not {group_id!r}"
+            )
+        return result
+
+    async def run_group(
+        self,
+        task_id: str,
+        group_size: int,
+        rollout: Rollout,
+        *,
+        group_id: str | None = None,
+        request_id: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        options: GroupOptions | None = None,
+        placement: PlacementMode | None = None,
+        rewards: RewardStream | None = None,
+    ) -> GroupResult:
+        """Starts a group, runs ``rollout`` on every member concurrently, returns its result.
+
+        Each member's reward is submitted as soon as its rollout returns. A rollout that raises
+        gets its session aborted (logged, not re-raised), and so does one whose reward is not
+        finite; the group then ends partial or dropped, as its options say. Pass ``rewards``
+        to share one open reward stream between many concurrent groups; by default each call
+        opens its own. Errors of the router itself (stream lost, start refused) are raised.
+        If run_group is cancelled, so are the rollouts; their sessions stay open until the
+        group's deadline (abort them yourself to free the slots sooner).
+        """
+        started = await self.start_group(
+            task_id,
+            group_size,
+            group_id=group_id,
+            request_id=request_id,
+            metadata=metadata,
+            options=options,
+            placement=placement,
+        )
+        if rewards is None:
+            async with self.reward_stream(keep_results=False) as stream:
+                return await self._run_members(started, rollout, stream)
+        return await self._run_members(started, rollout, rewards)
+
+    async def _run_members(
+        self, started: StartGroupResult, rollout: Rollout, stream: RewardStream
+    ) -> GroupResult:
+        on_stream = stream.watch_group(started.group_id)
+        failures: list[SessionRouterError] = []
+
+        async def run_one(session: Session) -> None:
+            try:
+                reward = float(await rollout(session))
+            except Exception as error:
+                _log.warning("rollout of %s failed; aborting it", session.name, exc_info=error)
+                await self._abort_quietly(session, f"rollout failed: {error!r}")
+                return
+            try:
+                result = await stream.submit(session.name, reward)
+            except SessionRouterError as error:
+                failures.append(error)
+                return
+            if result.status is RewardStatus.NOT_FINITE:
+                await self._abort_quietly(session, f"reward {reward} is not finite")
+
+        members = [asyncio.create_task(run_one(s)) for s in started.sessions]
+        try:
+            try:
+                await asyncio.gather(*members)
+            finally:
+                # If one member failed unexpectedly, or run_group was cancelled, stop the rest
+                # rather than leave them running detached.
+                for member in members:
+                    member.cancel()
+                await asyncio.gather(*members, return_exceptions=True)
+            if failures:
+                raise failures[0]
+            polled = asyncio.ensure_future(self.wait_group_result(started.group_id))
+            try:
+                done, _ = await asyncio.wait(
+                    {on_stream, polled}, return_when=asyncio.FIRST_COMPLETED
+                )
+                winner = on_stream if on_stream in done and not on_stream.exception() else polled
+                return await winner
+            finally:
+                polled.cancel()
+                await asyncio.gather(polled, return_exceptions=True)
+        finally:
+            if on_stream.done() and not on_stream.cancelled():
+                on_stream.exception()  # seen: the stream's failure was handled above
+            on_stream.cancel()
+
+    async def _abort_quietly(self, session: Session, reason: str) -> None:
+        """Aborts a member so its group need not wait for its deadline; failures are logged."""
+        try:
+            await self.abort_session(session.name, reason=reason)
+        except SessionRouterError as error:
+            _log.warning("could not abort %s: %s", session.name, error)

@@ -1,0 +1,376 @@
+"""Every conversion between the public dataclasses and the generated protobuf messages.
+
+One place, so that the public API never shows a message and a proto change touches one file.
+``*_to_proto`` builds a message from a value the caller gave; ``*_from_proto`` reads what the
+server sent. Unset optional fields become ``None``; unknown enum numbers (from a newer server)
+become ``UNSPECIFIED`` rather than raising.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from typing import TypeVar
+
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from sessionrouter.client import types
+from sessionrouter.v1 import resources_pb2, session_service_pb2, worker_service_pb2
+
+_E = TypeVar(
+    "_E",
+    types.WorkerHealth,
+    types.SessionState,
+    types.GroupState,
+    types.GroupOutcome,
+    types.RewardStatus,
+)
+
+
+def _enum_from_proto(enum_type: type[_E], number: int) -> _E:
+    try:
+        return enum_type(number)
+    except ValueError:
+        return enum_type(0)
+
+
+def _time_from_proto(ts: timestamp_pb2.Timestamp, present: bool) -> datetime | None:
+    # Sub-microsecond nanos are dropped: datetime cannot hold them.
+    return ts.ToDatetime(tzinfo=UTC) if present else None
+
+
+def _time_to_proto(value: datetime | None) -> timestamp_pb2.Timestamp | None:
+    if value is None:
+        return None
+    msg = timestamp_pb2.Timestamp()
+    msg.FromDatetime(value)
+    return msg
+
+
+def _duration_to_proto(value: timedelta) -> duration_pb2.Duration:
+    msg = duration_pb2.Duration()
+    msg.FromTimedelta(value)
+    return msg
+
+
+def worker_from_proto(msg: resources_pb2.Worker) -> types.Worker:
+    return types.Worker(
+        worker_id=msg.worker_id,
+        address=msg.address,
+        capacity=msg.capacity,
+        labels=dict(msg.labels),
+        health=_enum_from_proto(types.WorkerHealth, msg.health),
+        draining=msg.draining,
+        open_sessions=msg.open_sessions,
+        last_heartbeat_time=_time_from_proto(
+            msg.last_heartbeat_time, msg.HasField("last_heartbeat_time")
+        ),
+    )
+
+
+def register_worker_result_from_proto(
+    msg: worker_service_pb2.RegisterWorkerResponse,
+) -> types.RegisterWorkerResult:
+    return types.RegisterWorkerResult(
+        worker=worker_from_proto(msg.worker),
+        heartbeat_timeout=msg.heartbeat_timeout.ToTimedelta(),
+    )
+
+
+def deregister_worker_result_from_proto(
+    msg: worker_service_pb2.DeregisterWorkerResponse,
+) -> types.DeregisterWorkerResult:
+    return types.DeregisterWorkerResult(
+        worker=worker_from_proto(msg.worker), lost_sessions=msg.lost_sessions
+    )
+
+
+def session_from_proto(msg: resources_pb2.Session) -> types.Session:
+    return types.Session(
+        name=msg.name,
+        group_id=msg.group_id,
+        index=msg.index,
+        task_id=msg.task_id,
+        worker_id=msg.worker_id,
+        worker_address=msg.worker_address,
+        state=_enum_from_proto(types.SessionState, msg.state),
+        worker_lost=msg.worker_lost,
+        reward=msg.reward if msg.HasField("reward") else None,
+        metadata=dict(msg.metadata),
+        request_id=msg.request_id,
+        create_time=_time_from_proto(msg.create_time, msg.HasField("create_time")),
+    )
+
+
+def estimator_to_proto(value: types.EstimatorConfig) -> resources_pb2.EstimatorConfig:
+    msg = resources_pb2.EstimatorConfig(name=value.name or "")
+    if value.eps is not None:
+        msg.eps = value.eps
+    if value.ddof is not None:
+        msg.ddof = value.ddof
+    if value.batch_std is not None:
+        msg.batch_std = value.batch_std
+    return msg
+
+
+def estimator_from_proto(msg: resources_pb2.EstimatorConfig) -> types.EstimatorConfig:
+    return types.EstimatorConfig(
+        name=msg.name or None,
+        eps=msg.eps if msg.HasField("eps") else None,
+        ddof=msg.ddof if msg.HasField("ddof") else None,
+        batch_std=msg.batch_std if msg.HasField("batch_std") else None,
+    )
+
+
+def group_options_to_proto(value: types.GroupOptions) -> resources_pb2.GroupOptions:
+    msg = resources_pb2.GroupOptions(min_members=value.min_members or 0)
+    if value.estimator is not None:
+        msg.estimator.CopyFrom(estimator_to_proto(value.estimator))
+    if value.deadline is not None:
+        msg.deadline.CopyFrom(_duration_to_proto(value.deadline))
+    return msg
+
+
+def group_options_from_proto(msg: resources_pb2.GroupOptions) -> types.GroupOptions:
+    deadline = msg.deadline.ToTimedelta() if msg.HasField("deadline") else None
+    return types.GroupOptions(
+        estimator=estimator_from_proto(msg.estimator) if msg.HasField("estimator") else None,
+        # The proto says "unset or zero means the server default": both read back as None.
+        deadline=deadline or None,
+        min_members=msg.min_members or None,
+    )
+
+
+def group_from_proto(msg: resources_pb2.Group) -> types.Group:
+    return types.Group(
+        group_id=msg.group_id,
+        name=msg.name,
+        task_id=msg.task_id,
+        group_size=msg.group_size,
+        state=_enum_from_proto(types.GroupState, msg.state),
+        members=tuple(session_from_proto(m) for m in msg.members),
+        options=group_options_from_proto(msg.options),
+        create_time=_time_from_proto(msg.create_time, msg.HasField("create_time")),
+        deadline_time=_time_from_proto(msg.deadline_time, msg.HasField("deadline_time")),
+        cursor=msg.cursor,
+    )
+
+
+def group_result_from_proto(msg: resources_pb2.GroupResult) -> types.GroupResult:
+    return types.GroupResult(
+        cursor=msg.cursor,
+        group_id=msg.group_id,
+        task_id=msg.task_id,
+        outcome=_enum_from_proto(types.GroupOutcome, msg.outcome),
+        group_size=msg.group_size,
+        sessions=tuple(msg.sessions),
+        rewards=tuple(msg.rewards),
+        advantages=tuple(msg.advantages),
+        mean=msg.mean,
+        std=msg.std,
+        estimator=estimator_from_proto(msg.estimator),
+        degenerate=msg.degenerate,
+        excluded_sessions=tuple(msg.excluded_sessions),
+        finalize_time=_time_from_proto(msg.finalize_time, msg.HasField("finalize_time")),
+    )
+
+
+def start_session_request_to_proto(
+    *,
+    task_id: str,
+    group_id: str | None,
+    group_size: int,
+    request_id: str,
+    metadata: Mapping[str, str] | None,
+    options: types.GroupOptions | None,
+    placement: types.PlacementMode | None,
+) -> session_service_pb2.StartSessionRequest:
+    msg = session_service_pb2.StartSessionRequest(
+        task_id=task_id,
+        group_size=group_size,
+        request_id=request_id,
+        metadata=dict(metadata or {}),
+        placement_mode=session_service_pb2.PlacementMode.ValueType(
+            placement.value if placement is not None else 0
+        ),
+    )
+    if group_id is not None:
+        msg.group_id = group_id
+    if options is not None:
+        msg.group_options.CopyFrom(group_options_to_proto(options))
+    return msg
+
+
+def start_session_result_from_proto(
+    msg: session_service_pb2.StartSessionResponse,
+) -> types.StartSessionResult:
+    return types.StartSessionResult(
+        session=session_from_proto(msg.session),
+        group_size=msg.group_size,
+        group_created=msg.group_created,
+        shared_worker=msg.shared_worker,
+        replayed=msg.replayed,
+    )
+
+
+def start_group_request_to_proto(
+    *,
+    task_id: str,
+    group_id: str | None,
+    group_size: int,
+    request_id: str,
+    metadata: Mapping[str, str] | None,
+    options: types.GroupOptions | None,
+    placement: types.PlacementMode | None,
+) -> session_service_pb2.StartGroupRequest:
+    msg = session_service_pb2.StartGroupRequest(
+        task_id=task_id,
+        group_size=group_size,
+        request_id=request_id,
+        metadata=dict(metadata or {}),
+        placement_mode=session_service_pb2.PlacementMode.ValueType(
+            placement.value if placement is not None else 0
+        ),
+    )
+    if group_id is not None:
+        msg.group_id = group_id
+    if options is not None:
+        msg.group_options.CopyFrom(group_options_to_proto(options))
+    return msg
+
+
+def start_group_result_from_proto(
+    msg: session_service_pb2.StartGroupResponse,
+) -> types.StartGroupResult:
+    return types.StartGroupResult(
+        group=group_from_proto(msg.group),
+        shared_worker=msg.shared_worker,
+        replayed=msg.replayed,
+    )
+
+
+def reward_entry_to_proto(session: str, reward: float) -> session_service_pb2.RewardEntry:
+    return session_service_pb2.RewardEntry(session=session, reward=reward)
+
+
+def reward_result_from_proto(msg: session_service_pb2.RewardResult) -> types.RewardResult:
+    return types.RewardResult(
+        status=_enum_from_proto(types.RewardStatus, msg.status), detail=msg.detail
+    )
+
+
+def group_state_to_proto(state: types.GroupState | None) -> resources_pb2.GroupState.ValueType:
+    return resources_pb2.GroupState.ValueType(0 if state is None else state.value)
+
+
+# The reverse directions below serve in-process fakes and round-trip tests: a server written in
+# Python (or a test standing in for one) can answer with the client's own values.
+
+
+def worker_to_proto(value: types.Worker) -> resources_pb2.Worker:
+    return resources_pb2.Worker(
+        worker_id=value.worker_id,
+        address=value.address,
+        capacity=value.capacity,
+        labels=dict(value.labels),
+        health=resources_pb2.WorkerHealth.ValueType(value.health.value),
+        draining=value.draining,
+        open_sessions=value.open_sessions,
+        last_heartbeat_time=_time_to_proto(value.last_heartbeat_time),
+    )
+
+
+def register_worker_result_to_proto(
+    value: types.RegisterWorkerResult,
+) -> worker_service_pb2.RegisterWorkerResponse:
+    return worker_service_pb2.RegisterWorkerResponse(
+        worker=worker_to_proto(value.worker),
+        heartbeat_timeout=_duration_to_proto(value.heartbeat_timeout),
+    )
+
+
+def deregister_worker_result_to_proto(
+    value: types.DeregisterWorkerResult,
+) -> worker_service_pb2.DeregisterWorkerResponse:
+    return worker_service_pb2.DeregisterWorkerResponse(
+        worker=worker_to_proto(value.worker), lost_sessions=value.lost_sessions
+    )
+
+
+def session_to_proto(value: types.Session) -> resources_pb2.Session:
+    return resources_pb2.Session(
+        name=value.name,
+        group_id=value.group_id,
+        index=value.index,
+        task_id=value.task_id,
+        worker_id=value.worker_id,
+        worker_address=value.worker_address,
+        state=resources_pb2.SessionState.ValueType(value.state.value),
+        worker_lost=value.worker_lost,
+        reward=value.reward,
+        metadata=dict(value.metadata),
+        request_id=value.request_id,
+        create_time=_time_to_proto(value.create_time),
+    )
+
+
+def group_to_proto(value: types.Group) -> resources_pb2.Group:
+    return resources_pb2.Group(
+        group_id=value.group_id,
+        name=value.name,
+        task_id=value.task_id,
+        group_size=value.group_size,
+        state=resources_pb2.GroupState.ValueType(value.state.value),
+        members=[session_to_proto(m) for m in value.members],
+        options=group_options_to_proto(value.options),
+        create_time=_time_to_proto(value.create_time),
+        deadline_time=_time_to_proto(value.deadline_time),
+        cursor=value.cursor,
+    )
+
+
+def group_result_to_proto(value: types.GroupResult) -> resources_pb2.GroupResult:
+    return resources_pb2.GroupResult(
+        cursor=value.cursor,
+        group_id=value.group_id,
+        task_id=value.task_id,
+        outcome=resources_pb2.GroupOutcome.ValueType(value.outcome.value),
+        group_size=value.group_size,
+        sessions=value.sessions,
+        rewards=value.rewards,
+        advantages=value.advantages,
+        mean=value.mean,
+        std=value.std,
+        estimator=estimator_to_proto(value.estimator),
+        degenerate=value.degenerate,
+        excluded_sessions=value.excluded_sessions,
+        finalize_time=_time_to_proto(value.finalize_time),
+    )
+
+
+def start_session_result_to_proto(
+    value: types.StartSessionResult,
+) -> session_service_pb2.StartSessionResponse:
+    return session_service_pb2.StartSessionResponse(
+        session=session_to_proto(value.session),
+        group_size=value.group_size,
+        group_created=value.group_created,
+        shared_worker=value.shared_worker,
+        replayed=value.replayed,
+    )
+
+
+def start_group_result_to_proto(
+    value: types.StartGroupResult,
+) -> session_service_pb2.StartGroupResponse:
+    return session_service_pb2.StartGroupResponse(
+        group=group_to_proto(value.group),
+        shared_worker=value.shared_worker,
+        replayed=value.replayed,
+    )
+
+
+def reward_result_to_proto(value: types.RewardResult) -> session_service_pb2.RewardResult:
+    return session_service_pb2.RewardResult(
+        status=session_service_pb2.RewardStatus.ValueType(value.status.value), detail=value.detail
+    )

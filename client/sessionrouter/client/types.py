@@ -1,0 +1,320 @@
+"""The values the client takes and returns: frozen dataclasses and enums, no protobuf.
+
+Conventions, so that a trainer never has to guess:
+
+- Durations inside values (``GroupOptions.deadline``, ``RegisterWorkerResult.heartbeat_timeout``)
+  are ``datetime.timedelta``; timestamps are timezone-aware UTC ``datetime``, or ``None`` when the
+  server left them unset. Call timeouts and backoffs elsewhere in the client are ``float``
+  seconds, as in ``grpc`` itself.
+- Sequences are tuples, so values stay immutable and comparable. ``GroupResult`` keeps rewards
+  and advantages as ``tuple[float, ...]`` (float64, exact wire values) and offers
+  ``rewards_array`` / ``advantages_array`` for NumPy: arrays inside a frozen dataclass would
+  break ``==`` and ``hash``, and most trainers copy into a tensor anyway.
+- Maps (labels, metadata) are plain ``dict`` typed as ``Mapping``: treat them as read-only.
+  A value holding one is not hashable.
+- Enum values equal the proto numbers. ``UNSPECIFIED`` stands for "unset", and also for a value
+  added to the proto after this client was built, so an older client never crashes on a newer
+  server.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Generic, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "DeregisterWorkerResult",
+    "EstimatorConfig",
+    "Group",
+    "GroupOptions",
+    "GroupOutcome",
+    "GroupResult",
+    "GroupState",
+    "Page",
+    "PlacementMode",
+    "RegisterWorkerResult",
+    "RewardResult",
+    "RewardStatus",
+    "Session",
+    "SessionState",
+    "StartGroupResult",
+    "StartSessionResult",
+    "SubmitRewardsResult",
+    "Worker",
+    "WorkerHealth",
+]
+
+T = TypeVar("T")
+
+
+class WorkerHealth(enum.Enum):
+    """Health of a worker as the router sees it from its heartbeats."""
+
+    UNSPECIFIED = 0
+    HEALTHY = 1
+    """Heartbeats arrive in time; the worker takes new sessions unless draining."""
+    UNHEALTHY = 2
+    """No heartbeat within the timeout, or deregistered: no new sessions."""
+
+
+class SessionState(enum.Enum):
+    """Life cycle of a session."""
+
+    UNSPECIFIED = 0
+    OPEN = 1
+    """Placed and running; holds a worker slot until rewarded or aborted."""
+    REWARDED = 2
+    ABORTED = 3
+    """Ended early; left out of its group's statistics."""
+
+
+class GroupState(enum.Enum):
+    """Life cycle of a group."""
+
+    UNSPECIFIED = 0
+    OPEN = 1
+    FINALIZED = 2
+    """Advantages computed and on the feed."""
+    DROPPED = 3
+    """Too few rewarded members when it ended: no advantages."""
+
+
+class GroupOutcome(enum.Enum):
+    """How a group ended."""
+
+    UNSPECIFIED = 0
+    COMPLETE = 1
+    """Every member has a reward."""
+    PARTIAL = 2
+    """Some members left out (aborted, worker lost, no reward by the deadline)."""
+    DROPPED = 3
+    """Fewer than ``min_members`` rewarded members: ``advantages`` is empty."""
+
+
+class RewardStatus(enum.Enum):
+    """What happened to one submitted reward."""
+
+    UNSPECIFIED = 0
+    ACCEPTED = 1
+    DUPLICATE = 2
+    """The same reward was already recorded: nothing changed (so a resubmission is safe)."""
+    CONFLICT = 3
+    """Another reward is recorded for this session: nothing changed."""
+    UNKNOWN_SESSION = 4
+    NOT_FINITE = 5
+    SESSION_ABORTED = 6
+    GROUP_CLOSED = 7
+
+
+class PlacementMode(enum.Enum):
+    """Where members of a group may go when workers are scarce; ``None`` means server default."""
+
+    SPREAD = 1
+    """Distinct workers while possible, then some workers take a second member, evenly."""
+    STRICT = 2
+    """Distinct workers or ``ResourceExhaustedError``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    """An inference worker and its current load."""
+
+    worker_id: str
+    address: str
+    capacity: int
+    """Sessions the worker runs at once."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    health: WorkerHealth = WorkerHealth.UNSPECIFIED
+    draining: bool = False
+    open_sessions: int = 0
+    """Sessions placed here that have neither a reward nor an abort yet."""
+    last_heartbeat_time: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterWorkerResult:
+    worker: Worker
+    heartbeat_timeout: timedelta
+    """Heartbeat more often than this, or the worker turns unhealthy."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeregisterWorkerResult:
+    worker: Worker
+    """The worker as it was when removed."""
+    lost_sessions: int
+    """Open sessions that were marked ``worker_lost``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """One rollout, member of exactly one group. ``name`` is ``groups/{group_id}/sessions/{i}``."""
+
+    name: str
+    group_id: str
+    index: int
+    """Position in the group, 0 to group_size - 1, in order of joining."""
+    task_id: str
+    worker_id: str
+    worker_address: str
+    """Where to send this session's generation requests."""
+    state: SessionState = SessionState.UNSPECIFIED
+    worker_lost: bool = False
+    reward: float | None = None
+    """The accepted reward, set once the state is ``REWARDED``."""
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    request_id: str = ""
+    create_time: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EstimatorConfig:
+    """How advantages are computed; ``None`` fields take the server's defaults.
+
+    ``name`` is ``"grpo"`` ((r - mean) / (std + eps)), ``"dr_grpo"`` (r - mean) or ``"rloo"``
+    (r minus the mean of the others). ``eps`` is added to the std (grpo). ``ddof`` is 1 for the
+    sample std (what most trainers use), 0 for the population std. ``batch_std`` divides by the
+    std of the whole reduction micro-batch instead of the group's own (grpo).
+    """
+
+    name: str | None = None
+    eps: float | None = None
+    ddof: int | None = None
+    batch_std: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupOptions:
+    """Per-group settings, fixed by the call that creates the group; ``None`` = server default.
+
+    ``deadline`` runs from group creation: an incomplete group is then finalized as partial
+    (if at least ``min_members`` members have rewards) or dropped. At most 24 hours.
+    """
+
+    estimator: EstimatorConfig | None = None
+    deadline: timedelta | None = None
+    min_members: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A group of sessions answering one task (the N samples of one GRPO prompt)."""
+
+    group_id: str
+    name: str
+    task_id: str
+    group_size: int
+    state: GroupState = GroupState.UNSPECIFIED
+    members: tuple[Session, ...] = ()
+    """Members that joined so far, in index order; empty in ``list_groups`` pages."""
+    options: GroupOptions = GroupOptions()
+    """Options in force, with the server's defaults filled in."""
+    create_time: datetime | None = None
+    deadline_time: datetime | None = None
+    cursor: int = 0
+    """Position of this group's result on the feed; 0 while the group is open."""
+
+
+@dataclass(frozen=True, slots=True)
+class StartSessionResult:
+    session: Session
+    group_size: int
+    group_created: bool
+    """True when this call created the group."""
+    shared_worker: bool
+    """True when the session shares its worker with another member (too few workers)."""
+    replayed: bool
+    """True when the server answered an earlier call with the same request id."""
+
+
+@dataclass(frozen=True, slots=True)
+class StartGroupResult:
+    group: Group
+    shared_worker: bool
+    replayed: bool
+
+    @property
+    def group_id(self) -> str:
+        return self.group.group_id
+
+    @property
+    def sessions(self) -> tuple[Session, ...]:
+        """All members, in index order (StartGroup places every member in one round trip)."""
+        return self.group.members
+
+
+@dataclass(frozen=True, slots=True)
+class GroupResult:
+    """A finalized (or dropped) group as a trainer consumes it.
+
+    ``sessions``, ``rewards`` and ``advantages`` are aligned, entry i of each about the same
+    session, shape (n,) with n the members that count; ``advantages`` is empty when the
+    outcome is ``DROPPED``. ``std`` uses the estimator's ddof and is 0 for one member.
+    ``degenerate`` means the advantages are exactly zero (one member, or all rewards equal),
+    so a trainer can filter such groups as DAPO does.
+    """
+
+    cursor: int
+    """Position on the completed-group feed: from 1, strictly increasing, no gaps."""
+    group_id: str
+    task_id: str
+    outcome: GroupOutcome
+    group_size: int
+    sessions: tuple[str, ...]
+    rewards: tuple[float, ...]
+    advantages: tuple[float, ...]
+    mean: float
+    std: float
+    estimator: EstimatorConfig
+    degenerate: bool
+    excluded_sessions: tuple[str, ...] = ()
+    """Members that do not count: aborted, or without a reward when the group ended."""
+    finalize_time: datetime | None = None
+
+    @property
+    def rewards_array(self) -> npt.NDArray[np.float64]:
+        """A fresh float64 array of shape (n,)."""
+        return np.asarray(self.rewards, dtype=np.float64)
+
+    @property
+    def advantages_array(self) -> npt.NDArray[np.float64]:
+        """A fresh float64 array of shape (n,), or (0,) for a dropped group."""
+        return np.asarray(self.advantages, dtype=np.float64)
+
+
+@dataclass(frozen=True, slots=True)
+class RewardResult:
+    """What the router did with one submitted reward."""
+
+    status: RewardStatus
+    detail: str = ""
+    """Human-readable explanation for any status but ``ACCEPTED``."""
+
+    @property
+    def ok(self) -> bool:
+        """True when the reward is recorded: accepted now, or the same value was already."""
+        return self.status in (RewardStatus.ACCEPTED, RewardStatus.DUPLICATE)
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitRewardsResult:
+    """The answer to a one-shot ``submit_rewards`` call."""
+
+    results: tuple[RewardResult, ...]
+    """``results[i]`` is about the i-th submitted entry."""
+    group_results: tuple[GroupResult, ...]
+    """Groups that these rewards finalized (they are on the feed as well)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Page(Generic[T]):
+    """One page of a listing. Pass ``next_page_token`` back for the next; empty on the last."""
+
+    items: tuple[T, ...]
+    next_page_token: str
