@@ -17,7 +17,7 @@ ADDR ?= 127.0.0.1:50051
 .PHONY: help venv proto proto-check lint lint-proto typecheck test test-fast run demo bench clean
 
 help:  ## list targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | sort
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | sort
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,27 +29,15 @@ venv: $(VENV)/.installed  ## create .venv with the package and its test extras
 
 # Generated Python stubs are committed (so `pip install git+...` needs no protoc) and rebuilt
 # only here; `proto-check` fails when they are stale.
-define gen_python
-	rm -rf $(1)/sessionrouter/v1 && mkdir -p $(1)/sessionrouter/v1
-	$(PY) -m grpc_tools.protoc -Iprotos \
-	  --python_out=$(1) --grpc_python_out=$(1) \
-	  --mypy_out=$(1) --mypy_grpc_out=$(1) \
-	  --plugin=protoc-gen-mypy=$(VENV)/bin/protoc-gen-mypy \
-	  --plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc \
-	  $(PROTO_FILES) > /dev/null
-	rm -f $(1)/sessionrouter/v1/resources_pb2_grpc.py $(1)/sessionrouter/v1/resources_pb2_grpc.pyi
-	touch $(1)/sessionrouter/v1/__init__.py $(1)/sessionrouter/v1/py.typed
-endef
-
 proto: venv  ## regenerate the Python stubs from protos/
-	$(call gen_python,$(GEN_PY))
+	scripts/gen_python_stubs.sh $(VENV) $(GEN_PY)
 
 proto-check: venv  ## fail when the committed stubs differ from what protos/ generates
-	@tmp=$$(mktemp -d) && $(call gen_python,$$tmp) && \
-	  if diff -r $$tmp/sessionrouter/v1 $(GEN_PY)/sessionrouter/v1 > /dev/null; then \
-	    echo "proto-check: generated stubs are up to date"; rm -rf $$tmp; \
-	  else diff -r $$tmp/sessionrouter/v1 $(GEN_PY)/sessionrouter/v1 | head -20; \
-	    echo "proto-check: stubs are stale, run 'make proto'"; rm -rf $$tmp; exit 1; fi
+	@tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	scripts/gen_python_stubs.sh $(VENV) "$$tmp"; \
+	if diff -r "$$tmp/sessionrouter/v1" $(GEN_PY)/sessionrouter/v1; then \
+	  echo "proto-check: generated stubs are up to date"; \
+	else echo "proto-check: stubs are stale, run 'make proto'"; exit 1; fi
 
 $(BUF):
 	GOBIN=$(TOOLS)/bin go install github.com/bufbuild/buf/cmd/buf@$(BUF_VERSION)

@@ -73,8 +73,16 @@ def server_process(args: Sequence[str], timeout_s: float = 30.0) -> Iterator[str
 
 def router_command(*extra: str) -> list[str]:
     """The real router, without a journal (benchmarks of the journal set their own)."""
-    cmd = [sys.executable, "-m", "sessionrouter.server", "serve", "--listen", "127.0.0.1:0",
-           "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sessionrouter.server",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--log-level",
+        "warning",
+    ]
     if "--in-memory" in _serve_help():
         cmd.append("--in-memory")
     return [*cmd, *extra]
@@ -83,5 +91,8 @@ def router_command(*extra: str) -> list[str]:
 def _serve_help() -> str:
     return subprocess.run(
         [sys.executable, "-m", "sessionrouter.server", "serve", "--help"],
-        capture_output=True, text=True, check=True, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
     ).stdout

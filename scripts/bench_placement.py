@@ -65,8 +65,10 @@ def _scan_choose(
     """Baseline placement: one pass over every worker per call, O(W)."""
     best = None
     for worker in registry:
-        if worker.eligible and worker.worker_id not in members_per_worker and (
-            best is None or worker.load < best.load
+        if (
+            worker.eligible
+            and worker.worker_id not in members_per_worker
+            and (best is None or worker.load < best.load)
         ):
             best = worker
     if best is None:
@@ -79,29 +81,39 @@ def core_table(sessions: int, repeats: int) -> None:
 
     print(f"\n## core: us per StartSession ({sessions} sessions, groups of {GROUP})")
     print(f"{'workers':>8} {'indexed':>9} {'full scan':>10} {'scan/indexed':>13}")
-    original = router_module.choose_worker
+    # The baseline swaps the placement function the router calls (module attribute).
+    original = getattr(router_module, "choose_worker")  # noqa: B009
     for pool in POOLS:
         capacity = sessions // pool + GROUP + 1
         ours, scan = [], []
         for _ in range(repeats):
             ours.append(_start_sessions(_router(pool, capacity), sessions) / sessions * 1e6)
-            router_module.choose_worker = _scan_choose  # type: ignore[assignment]
+            setattr(router_module, "choose_worker", _scan_choose)  # noqa: B010
             try:
                 scan.append(_start_sessions(_router(pool, capacity), sessions) / sessions * 1e6)
             finally:
-                router_module.choose_worker = original
-        print(f"{pool:>8} {median(ours):>9.1f} {median(scan):>10.1f}"
-              f" {median(scan) / median(ours):>13.1f}")
+                setattr(router_module, "choose_worker", original)  # noqa: B010
+        print(
+            f"{pool:>8} {median(ours):>9.1f} {median(scan):>10.1f}"
+            f" {median(scan) / median(ours):>13.1f}"
+        )
 
 
-async def _grpc_run(address: str, pool: int, sessions: int, concurrency: int) -> tuple[float, float]:
+async def _grpc_run(
+    address: str, pool: int, sessions: int, concurrency: int
+) -> tuple[float, float]:
     async with grpc.aio.insecure_channel(address) as channel:
         workers = wpb_grpc.WorkerServiceStub(channel)
-        await asyncio.gather(*(
-            workers.RegisterWorker(wpb.RegisterWorkerRequest(
-                worker_id=f"w{i}", address=f"10.0.0.{i % 250}:{i}", capacity=1_000_000))
-            for i in range(pool)
-        ))
+        await asyncio.gather(
+            *(
+                workers.RegisterWorker(
+                    wpb.RegisterWorkerRequest(
+                        worker_id=f"w{i}", address=f"10.0.0.{i % 250}:{i}", capacity=1_000_000
+                    )
+                )
+                for i in range(pool)
+            )
+        )
         stub = spb_grpc.SessionServiceStub(channel)
         latencies: list[float] = []
         queue = iter(range(sessions))
@@ -109,9 +121,11 @@ async def _grpc_run(address: str, pool: int, sessions: int, concurrency: int) ->
         async def caller() -> None:
             for n in queue:
                 t = time.perf_counter()
-                await stub.StartSession(spb.StartSessionRequest(
-                    task_id="t", group_id=f"g{n // GROUP}", group_size=GROUP,
-                    request_id=f"r{n}"))
+                await stub.StartSession(
+                    spb.StartSessionRequest(
+                        task_id="t", group_id=f"g{n // GROUP}", group_size=GROUP, request_id=f"r{n}"
+                    )
+                )
                 latencies.append(time.perf_counter() - t)
 
         started = time.perf_counter()
@@ -121,8 +135,10 @@ async def _grpc_run(address: str, pool: int, sessions: int, concurrency: int) ->
 
 
 def grpc_table(sessions: int, repeats: int, concurrency: int) -> None:
-    print(f"\n## gRPC: StartSession against a router process ({sessions} calls,"
-          f" {concurrency} concurrent callers, one channel)")
+    print(
+        f"\n## gRPC: StartSession against a router process ({sessions} calls,"
+        f" {concurrency} concurrent callers, one channel)"
+    )
     print(f"{'workers':>8} {'calls/s':>9} {'p50 ms':>7} {'vs 16 workers':>14}")
     first = 0.0
     for pool in POOLS:
@@ -133,8 +149,9 @@ def grpc_table(sessions: int, repeats: int, concurrency: int) -> None:
             rates.append(rate)
             p50s.append(p50)
         first = first or median(rates)
-        print(f"{pool:>8} {median(rates):>9,.0f} {median(p50s):>7.2f}"
-              f" {median(rates) / first:>14.2f}")
+        print(
+            f"{pool:>8} {median(rates):>9,.0f} {median(p50s):>7.2f} {median(rates) / first:>14.2f}"
+        )
 
 
 def memory_table(open_sessions: int) -> None:
@@ -147,8 +164,10 @@ def memory_table(open_sessions: int) -> None:
     gc.collect()
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    print(f"{used / 2**20:,.1f} MiB in all, {used / open_sessions:,.0f} bytes per open session"
-          " (session record, group share, worker index, request-free)")
+    print(
+        f"{used / 2**20:,.1f} MiB in all, {used / open_sessions:,.0f} bytes per open session"
+        " (session record, group share, worker index, request-free)"
+    )
 
 
 def main() -> None:

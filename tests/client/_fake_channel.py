@@ -24,11 +24,12 @@ flight cannot starve the event loop's default executor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import queue
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -99,12 +100,37 @@ class FakeAioChannel:
             [SESSION_SERVICE, WORKER_SERVICE], grpc_testing.strict_real_time()
         )
         self.timeouts: defaultdict[str, list[float | None]] = defaultdict(list)
-        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="fake-grpc")
         self.closed = False
 
     async def in_thread(self, fn: Callable[[], T]) -> T:
-        """Runs a blocking call of the fake (client or server side) off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        """Runs a blocking call of the fake (client or server side) off the event loop.
+
+        Each call gets its own daemon thread: a fake call that never returns (a test that
+        went wrong) then fails that test by its timeout instead of keeping the interpreter
+        from exiting, as a ThreadPoolExecutor's joined workers would."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def settle(outcome: Callable[[], None]) -> None:
+            if not done.done():
+                outcome()
+
+        def hand_back(outcome: Callable[[], None]) -> None:
+            # A call that outlived its test finds the loop closed: nobody waits for it.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(settle, outcome)
+
+        def run() -> None:
+            try:
+                value = fn()
+            except BaseException as exc:  # handed to the awaiting coroutine
+                error = exc
+                hand_back(lambda: done.set_exception(error))
+            else:
+                hand_back(lambda: done.set_result(value))
+
+        threading.Thread(target=run, name="fake-grpc", daemon=True).start()
+        return await done
 
     # The grpc.aio.Channel surface the client uses.
 
@@ -124,7 +150,7 @@ class FakeAioChannel:
         self.closed = True
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to stop: blocking calls run on daemon threads (see ``in_thread``)."""
 
     # The server side, for tests.
 

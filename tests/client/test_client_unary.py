@@ -105,7 +105,8 @@ async def test_deadline_exceeded_is_raised_and_not_retried(
 ) -> None:
     async def silent_server() -> None:
         _, _, rpc = await fake.take_unary("GetGroup")
-        await fake.in_thread(rpc.cancelled)  # the client gave up: the fake RPC was cancelled
+        # The client gave up: the fake RPC is cancelled (bounded, so a regression fails fast).
+        await asyncio.wait_for(fake.in_thread(rpc.cancelled), 10)
 
     with pytest.raises(DeadlineExceededError):
         await asyncio.gather(client.get_group("g1", timeout=0.05), silent_server())

@@ -1,0 +1,313 @@
+// Command interop-client runs the cross-language scenario against a sessionrouter server,
+// through stubs generated from protos/ by `make stubs`:
+//
+//  1. register 4 workers (capacity 4);
+//  2. start one group of 4 through 4 concurrent StartSession calls, and check the members
+//     share the group and sit on 4 distinct workers;
+//  3. check that a conflicting group_size on the same group is INVALID_ARGUMENT;
+//  4. submit rewards [1, 0, 0, 1] on one SubmitRewards stream, with a bad entry (unknown
+//     session) and a NaN reward along the way, check every entry's status, and check the
+//     group_result's advantages against GRPO computed here (ddof 1, eps 1e-6);
+//  5. deregister the workers.
+//
+// Usage: interop-client HOST:PORT. Exit status 0 on success, 1 with a message otherwise.
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	pb "sessionrouter.dev/gen/go/sessionrouter/v1"
+)
+
+const (
+	groupSize = 4
+	eps       = 1e-6
+	tolerance = 1e-9
+)
+
+// rewards are the rewards of the members, by index.
+var rewards = []float64{1, 0, 0, 1}
+
+func main() {
+	if len(os.Args) != 2 {
+		fmt.Fprintln(os.Stderr, "usage: interop-client HOST:PORT")
+		os.Exit(2)
+	}
+	if err := run(os.Args[1]); err != nil {
+		fmt.Fprintf(os.Stderr, "go interop client: FAILED: %v\n", err)
+		os.Exit(1)
+	}
+	fmt.Println("go interop client: OK")
+}
+
+func run(addr string) (err error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return fmt.Errorf("dial %s: %w", addr, err)
+	}
+	defer conn.Close()
+	workers := pb.NewWorkerServiceClient(conn)
+	sessions := pb.NewSessionServiceClient(conn)
+
+	runID := randomID()
+	workerIDs := make([]string, groupSize)
+	for i := range workerIDs {
+		workerIDs[i] = fmt.Sprintf("go-%s-w%d", runID, i)
+		_, err := workers.RegisterWorker(ctx, &pb.RegisterWorkerRequest{
+			WorkerId: workerIDs[i],
+			Address:  fmt.Sprintf("127.0.0.1:%d", 30000+i),
+			Capacity: 4,
+			Labels:   map[string]string{"client": "go"},
+		})
+		if err != nil {
+			return fmt.Errorf("RegisterWorker %s: %w", workerIDs[i], err)
+		}
+	}
+	fmt.Printf("registered workers %v\n", workerIDs)
+	defer func() {
+		for _, id := range workerIDs {
+			if _, derr := workers.DeregisterWorker(ctx, &pb.DeregisterWorkerRequest{WorkerId: id}); derr != nil {
+				err = errors.Join(err, fmt.Errorf("DeregisterWorker %s: %w", id, derr))
+			}
+		}
+	}()
+
+	groupID := "go-" + runID
+	taskID := "go-task-" + runID
+	members, err := startGroup(ctx, sessions, groupID, taskID)
+	if err != nil {
+		return err
+	}
+
+	if err := checkSizeConflict(ctx, sessions, groupID, taskID); err != nil {
+		return err
+	}
+
+	return submitRewards(ctx, sessions, groupID, members)
+}
+
+// startGroup forms the group through groupSize concurrent StartSession calls and returns the
+// sessions ordered by their index in the group.
+func startGroup(ctx context.Context, sessions pb.SessionServiceClient, groupID, taskID string) ([]*pb.Session, error) {
+	replies := make([]*pb.StartSessionResponse, groupSize)
+	errs := make([]error, groupSize)
+	var wg sync.WaitGroup
+	for i := range groupSize {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			replies[i], errs[i] = sessions.StartSession(ctx, &pb.StartSessionRequest{
+				TaskId:    taskID,
+				GroupId:   proto.String(groupID),
+				GroupSize: groupSize,
+				RequestId: fmt.Sprintf("%s-req-%d", groupID, i),
+				Metadata:  map[string]string{"client": "go"},
+			})
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return nil, fmt.Errorf("StartSession: %w", err)
+	}
+
+	members := make([]*pb.Session, groupSize)
+	onWorker := map[string]string{}
+	created := 0
+	for _, reply := range replies {
+		s := reply.GetSession()
+		if s.GetGroupId() != groupID {
+			return nil, fmt.Errorf("session %s is in group %q, want %q", s.GetName(), s.GetGroupId(), groupID)
+		}
+		if reply.GetGroupSize() != groupSize {
+			return nil, fmt.Errorf("session %s: group_size %d, want %d", s.GetName(), reply.GetGroupSize(), groupSize)
+		}
+		if s.GetIndex() >= groupSize || members[s.GetIndex()] != nil {
+			return nil, fmt.Errorf("session %s: index %d is out of range or taken twice", s.GetName(), s.GetIndex())
+		}
+		if other, taken := onWorker[s.GetWorkerId()]; taken || s.GetWorkerId() == "" {
+			return nil, fmt.Errorf("sessions %s and %s share worker %q", other, s.GetName(), s.GetWorkerId())
+		}
+		if reply.GetSharedWorker() {
+			return nil, fmt.Errorf("session %s: shared_worker set although 4 workers are free", s.GetName())
+		}
+		members[s.GetIndex()] = s
+		onWorker[s.GetWorkerId()] = s.GetName()
+		if reply.GetGroupCreated() {
+			created++
+		}
+	}
+	if created != 1 {
+		return nil, fmt.Errorf("%d of the %d calls report group_created, want exactly 1", created, groupSize)
+	}
+	for _, s := range members {
+		fmt.Printf("session %s on worker %s\n", s.GetName(), s.GetWorkerId())
+	}
+	return members, nil
+}
+
+// checkSizeConflict asks to join the group with another group_size: never a silent merge.
+func checkSizeConflict(ctx context.Context, sessions pb.SessionServiceClient, groupID, taskID string) error {
+	_, err := sessions.StartSession(ctx, &pb.StartSessionRequest{
+		TaskId:    taskID,
+		GroupId:   proto.String(groupID),
+		GroupSize: groupSize + 1,
+		RequestId: groupID + "-req-conflict",
+	})
+	if got := status.Code(err); got != codes.InvalidArgument {
+		return fmt.Errorf("StartSession with group_size %d on a group of %d: got %v (%v), want InvalidArgument",
+			groupSize+1, groupSize, got, err)
+	}
+	fmt.Printf("conflicting group_size refused: %v\n", status.Convert(err).Message())
+	return nil
+}
+
+// submitRewards sends the rewards on one stream, with a bad entry and a NaN along the way, and
+// checks the acks and the group's advantages.
+func submitRewards(ctx context.Context, sessions pb.SessionServiceClient, groupID string, members []*pb.Session) error {
+	stream, err := sessions.SubmitRewards(ctx)
+	if err != nil {
+		return fmt.Errorf("SubmitRewards: %w", err)
+	}
+	entry := func(i int) *pb.RewardEntry {
+		return &pb.RewardEntry{Session: members[i].GetName(), Reward: rewards[i]}
+	}
+	unknown := &pb.RewardEntry{Session: "groups/nope/sessions/0", Reward: 0.5}
+	nan := &pb.RewardEntry{Session: members[2].GetName(), Reward: math.NaN()}
+	// Expected status of each entry of each request, by sequence number.
+	accepted, unknownStatus, notFinite := pb.RewardStatus_REWARD_STATUS_ACCEPTED,
+		pb.RewardStatus_REWARD_STATUS_UNKNOWN_SESSION, pb.RewardStatus_REWARD_STATUS_NOT_FINITE
+	requests := []struct {
+		entries []*pb.RewardEntry
+		want    []pb.RewardStatus
+	}{
+		{[]*pb.RewardEntry{entry(0), unknown, entry(1)}, []pb.RewardStatus{accepted, unknownStatus, accepted}},
+		{[]*pb.RewardEntry{nan}, []pb.RewardStatus{notFinite}},
+		{[]*pb.RewardEntry{entry(2), entry(3)}, []pb.RewardStatus{accepted, accepted}},
+	}
+	for seq, req := range requests {
+		if err := stream.Send(&pb.SubmitRewardsRequest{Entries: req.entries, Sequence: uint64(seq + 1)}); err != nil {
+			return fmt.Errorf("SubmitRewards send %d: %w", seq+1, err)
+		}
+	}
+	if err := stream.CloseSend(); err != nil {
+		return fmt.Errorf("SubmitRewards close: %w", err)
+	}
+
+	var result *pb.GroupResult
+	acks := 0
+	for {
+		resp, err := stream.Recv()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return fmt.Errorf("SubmitRewards receive: %w", err)
+		}
+		if ack := resp.GetAck(); ack != nil {
+			acks++
+			if acks > len(requests) || ack.GetSequence() != uint64(acks) {
+				return fmt.Errorf("ack %d has sequence %d: acks must come once per request, in order",
+					acks, ack.GetSequence())
+			}
+			want := requests[acks-1].want
+			if len(ack.GetResults()) != len(want) {
+				return fmt.Errorf("ack %d has %d results for %d entries", acks, len(ack.GetResults()), len(want))
+			}
+			for i, r := range ack.GetResults() {
+				if r.GetStatus() != want[i] {
+					return fmt.Errorf("ack %d entry %d (%s): status %v (%q), want %v",
+						acks, i, requests[acks-1].entries[i].GetSession(), r.GetStatus(), r.GetDetail(), want[i])
+				}
+			}
+			fmt.Printf("ack %d: %v\n", ack.GetSequence(), ack.GetResults())
+		}
+		for _, r := range resp.GetGroupResults() {
+			if result != nil {
+				return fmt.Errorf("a second group_result arrived, for %s", r.GetGroupId())
+			}
+			if acks < len(requests) {
+				return fmt.Errorf("group_result for %s arrived before the ack of the request that completed it",
+					r.GetGroupId())
+			}
+			result = r
+		}
+	}
+	if acks != len(requests) {
+		return fmt.Errorf("got %d acks for %d requests", acks, len(requests))
+	}
+	if result == nil {
+		return errors.New("no group_result on the SubmitRewards stream")
+	}
+	return checkResult(result, groupID, members)
+}
+
+func checkResult(result *pb.GroupResult, groupID string, members []*pb.Session) error {
+	if result.GetGroupId() != groupID || result.GetOutcome() != pb.GroupOutcome_GROUP_OUTCOME_COMPLETE {
+		return fmt.Errorf("group_result for %q with outcome %v, want %q COMPLETE",
+			result.GetGroupId(), result.GetOutcome(), groupID)
+	}
+	sent := map[string]float64{}
+	for i, s := range members {
+		sent[s.GetName()] = rewards[i]
+	}
+	names, got := result.GetSessions(), result.GetAdvantages()
+	if len(names) != groupSize || len(got) != groupSize || len(result.GetRewards()) != groupSize {
+		return fmt.Errorf("group_result has %d sessions, %d rewards, %d advantages, want %d each",
+			len(names), len(result.GetRewards()), len(got), groupSize)
+	}
+	// GRPO, computed here: A_i = (r_i - mean) / (sample std + eps), aligned with `sessions`.
+	aligned := make([]float64, groupSize)
+	mean := 0.0
+	for i, name := range names {
+		r, ok := sent[name]
+		if !ok {
+			return fmt.Errorf("group_result names session %q, not one of ours", name)
+		}
+		if result.GetRewards()[i] != r {
+			return fmt.Errorf("group_result reward of %s is %v, we sent %v", name, result.GetRewards()[i], r)
+		}
+		aligned[i] = r
+		mean += r
+	}
+	mean /= groupSize
+	variance := 0.0
+	for _, r := range aligned {
+		variance += (r - mean) * (r - mean)
+	}
+	std := math.Sqrt(variance / (groupSize - 1))
+	for i, r := range aligned {
+		want := (r - mean) / (std + eps)
+		if math.Abs(got[i]-want) > tolerance {
+			return fmt.Errorf("advantage of %s is %.17g, want %.17g", names[i], got[i], want)
+		}
+	}
+	fmt.Printf("group_result %s: sessions %v rewards %v advantages %v (mean %g, std %g)\n",
+		result.GetGroupId(), names, result.GetRewards(), got, result.GetMean(), result.GetStd())
+	return nil
+}
+
+func randomID() string {
+	b := make([]byte, 6)
+	if _, err := rand.Read(b); err != nil {
+		panic(err)
+	}
+	return hex.EncodeToString(b)
+}

@@ -1,0 +1,356 @@
+package dev.sessionrouter.interop;
+
+import dev.sessionrouter.v1.DeregisterWorkerRequest;
+import dev.sessionrouter.v1.GroupOutcome;
+import dev.sessionrouter.v1.GroupResult;
+import dev.sessionrouter.v1.RegisterWorkerRequest;
+import dev.sessionrouter.v1.RewardAck;
+import dev.sessionrouter.v1.RewardEntry;
+import dev.sessionrouter.v1.RewardResult;
+import dev.sessionrouter.v1.RewardStatus;
+import dev.sessionrouter.v1.Session;
+import dev.sessionrouter.v1.SessionServiceGrpc;
+import dev.sessionrouter.v1.StartSessionRequest;
+import dev.sessionrouter.v1.StartSessionResponse;
+import dev.sessionrouter.v1.SubmitRewardsRequest;
+import dev.sessionrouter.v1.SubmitRewardsResponse;
+import dev.sessionrouter.v1.WorkerServiceGrpc;
+import io.grpc.Grpc;
+import io.grpc.InsecureChannelCredentials;
+import io.grpc.ManagedChannel;
+import io.grpc.Status;
+import io.grpc.StatusRuntimeException;
+import io.grpc.stub.StreamObserver;
+import java.security.SecureRandom;
+import java.util.ArrayList;
+import java.util.HashMap;
+import java.util.HexFormat;
+import java.util.List;
+import java.util.Map;
+import java.util.concurrent.CompletableFuture;
+import java.util.concurrent.CountDownLatch;
+import java.util.concurrent.ExecutorService;
+import java.util.concurrent.Executors;
+import java.util.concurrent.TimeUnit;
+
+/**
+ * Java interop client for sessionrouter, over grpc-java stubs generated from protos/ by Maven.
+ *
+ * <p>Runs the cross-language scenario against the server at {@code args[0]} (HOST:PORT):
+ * registers 4 workers; starts one group of 4 through 4 concurrent StartSession calls and checks
+ * the members share the group on 4 distinct workers; checks that a conflicting group_size is
+ * INVALID_ARGUMENT; submits rewards [1, 0, 0, 1] on one SubmitRewards stream, with an unknown
+ * session and a NaN reward along the way, checks each entry's status and the group_result's
+ * advantages against GRPO computed here (ddof 1, eps 1e-6); deregisters the workers.
+ *
+ * <p>Exit status 0 on success, 1 with a message otherwise.
+ */
+public final class InteropClient {
+  private static final int GROUP_SIZE = 4;
+  private static final double EPS = 1e-6;
+  private static final double TOLERANCE = 1e-9;
+  private static final double[] REWARDS = {1, 0, 0, 1};
+  private static final long CALL_TIMEOUT_SECONDS = 30;
+
+  private final WorkerServiceGrpc.WorkerServiceBlockingStub workers;
+  private final SessionServiceGrpc.SessionServiceBlockingStub sessions;
+  private final SessionServiceGrpc.SessionServiceStub sessionsAsync;
+
+  /** A failed check of the scenario. */
+  static final class ScenarioException extends RuntimeException {
+    ScenarioException(String message) {
+      super(message);
+    }
+  }
+
+  /** One SubmitRewards request and the status expected for each of its entries. */
+  private record RewardRequest(List<RewardEntry> entries, List<RewardStatus> want) {}
+
+  private InteropClient(ManagedChannel channel) {
+    workers = WorkerServiceGrpc.newBlockingStub(channel);
+    sessions = SessionServiceGrpc.newBlockingStub(channel);
+    sessionsAsync = SessionServiceGrpc.newStub(channel);
+  }
+
+  public static void main(String[] args) throws InterruptedException {
+    if (args.length != 1) {
+      System.err.println("usage: java -jar interop-client.jar HOST:PORT");
+      System.exit(2);
+    }
+    ManagedChannel channel =
+        Grpc.newChannelBuilder(args[0], InsecureChannelCredentials.create()).build();
+    int exit = 0;
+    try {
+      new InteropClient(channel).run();
+      System.out.println("java interop client: OK");
+    } catch (ScenarioException | StatusRuntimeException e) {
+      System.err.println("java interop client: FAILED: " + e.getMessage());
+      exit = 1;
+    } finally {
+      channel.shutdownNow().awaitTermination(5, TimeUnit.SECONDS);
+    }
+    System.exit(exit);
+  }
+
+  private static void check(boolean condition, String message) {
+    if (!condition) {
+      throw new ScenarioException(message);
+    }
+  }
+
+  private WorkerServiceGrpc.WorkerServiceBlockingStub workers() {
+    return workers.withDeadlineAfter(CALL_TIMEOUT_SECONDS, TimeUnit.SECONDS);
+  }
+
+  private SessionServiceGrpc.SessionServiceBlockingStub sessions() {
+    return sessions.withDeadlineAfter(CALL_TIMEOUT_SECONDS, TimeUnit.SECONDS);
+  }
+
+  private void run() throws InterruptedException {
+    byte[] random = new byte[6];
+    new SecureRandom().nextBytes(random);
+    String runId = HexFormat.of().formatHex(random);
+    List<String> workerIds = new ArrayList<>();
+    try {
+      for (int i = 0; i < GROUP_SIZE; i++) {
+        String id = "java-" + runId + "-w" + i;
+        workers()
+            .registerWorker(
+                RegisterWorkerRequest.newBuilder()
+                    .setWorkerId(id)
+                    .setAddress("127.0.0.1:" + (30000 + i))
+                    .setCapacity(4)
+                    .putLabels("client", "java")
+                    .build());
+        workerIds.add(id);
+      }
+      System.out.println("registered workers " + workerIds);
+      String groupId = "java-" + runId;
+      String taskId = "java-task-" + runId;
+      Session[] members = startGroup(groupId, taskId);
+      checkSizeConflict(groupId, taskId);
+      submitRewards(groupId, members);
+    } finally {
+      for (String id : workerIds) {
+        workers().deregisterWorker(DeregisterWorkerRequest.newBuilder().setWorkerId(id).build());
+      }
+    }
+  }
+
+  /** Forms the group through GROUP_SIZE concurrent StartSession calls; members by index. */
+  private Session[] startGroup(String groupId, String taskId) {
+    ExecutorService pool = Executors.newFixedThreadPool(GROUP_SIZE);
+    List<CompletableFuture<StartSessionResponse>> calls = new ArrayList<>();
+    try {
+      for (int i = 0; i < GROUP_SIZE; i++) {
+        StartSessionRequest request =
+            StartSessionRequest.newBuilder()
+                .setTaskId(taskId)
+                .setGroupId(groupId)
+                .setGroupSize(GROUP_SIZE)
+                .setRequestId(groupId + "-req-" + i)
+                .putMetadata("client", "java")
+                .build();
+        calls.add(CompletableFuture.supplyAsync(() -> sessions().startSession(request), pool));
+      }
+      CompletableFuture.allOf(calls.toArray(new CompletableFuture<?>[0])).exceptionally(e -> null).join();
+    } finally {
+      pool.shutdown();
+    }
+
+    Session[] members = new Session[GROUP_SIZE];
+    Map<String, String> onWorker = new HashMap<>();
+    int created = 0;
+    for (CompletableFuture<StartSessionResponse> call : calls) {
+      StartSessionResponse reply;
+      try {
+        reply = call.join();
+      } catch (RuntimeException e) {
+        throw new ScenarioException("StartSession: " + e.getCause());
+      }
+      Session s = reply.getSession();
+      check(
+          s.getGroupId().equals(groupId),
+          "session " + s.getName() + " is in group " + s.getGroupId() + ", want " + groupId);
+      check(reply.getGroupSize() == GROUP_SIZE, "session " + s.getName() + ": wrong group_size");
+      check(
+          s.getIndex() < GROUP_SIZE && members[s.getIndex()] == null,
+          "session " + s.getName() + ": index " + s.getIndex() + " out of range or taken twice");
+      check(
+          !s.getWorkerId().isEmpty() && !onWorker.containsKey(s.getWorkerId()),
+          "sessions " + onWorker.get(s.getWorkerId()) + " and " + s.getName()
+              + " share worker \"" + s.getWorkerId() + "\"");
+      check(!reply.getSharedWorker(), "session " + s.getName() + ": shared_worker set");
+      members[s.getIndex()] = s;
+      onWorker.put(s.getWorkerId(), s.getName());
+      created += reply.getGroupCreated() ? 1 : 0;
+    }
+    check(created == 1, created + " calls report group_created, want exactly 1");
+    for (Session s : members) {
+      System.out.println("session " + s.getName() + " on worker " + s.getWorkerId());
+    }
+    return members;
+  }
+
+  /** Joining with another group_size is refused, never merged. */
+  private void checkSizeConflict(String groupId, String taskId) {
+    try {
+      sessions()
+          .startSession(
+              StartSessionRequest.newBuilder()
+                  .setTaskId(taskId)
+                  .setGroupId(groupId)
+                  .setGroupSize(GROUP_SIZE + 1)
+                  .setRequestId(groupId + "-req-conflict")
+                  .build());
+    } catch (StatusRuntimeException e) {
+      check(
+          e.getStatus().getCode() == Status.Code.INVALID_ARGUMENT,
+          "conflicting group_size: got " + e.getStatus() + ", want INVALID_ARGUMENT");
+      System.out.println("conflicting group_size refused: " + e.getStatus().getDescription());
+      return;
+    }
+    throw new ScenarioException("StartSession with a conflicting group_size succeeded");
+  }
+
+  private static RewardEntry entry(String session, double reward) {
+    return RewardEntry.newBuilder().setSession(session).setReward(reward).build();
+  }
+
+  private void submitRewards(String groupId, Session[] members) throws InterruptedException {
+    RewardStatus ok = RewardStatus.REWARD_STATUS_ACCEPTED;
+    List<RewardRequest> requests =
+        List.of(
+            new RewardRequest(
+                List.of(
+                    entry(members[0].getName(), REWARDS[0]),
+                    entry("groups/nope/sessions/0", 0.5),
+                    entry(members[1].getName(), REWARDS[1])),
+                List.of(ok, RewardStatus.REWARD_STATUS_UNKNOWN_SESSION, ok)),
+            new RewardRequest(
+                List.of(entry(members[2].getName(), Double.NaN)),
+                List.of(RewardStatus.REWARD_STATUS_NOT_FINITE)),
+            new RewardRequest(
+                List.of(
+                    entry(members[2].getName(), REWARDS[2]),
+                    entry(members[3].getName(), REWARDS[3])),
+                List.of(ok, ok)));
+
+    List<SubmitRewardsResponse> events = new ArrayList<>();
+    Throwable[] failure = new Throwable[1];
+    CountDownLatch done = new CountDownLatch(1);
+    StreamObserver<SubmitRewardsRequest> stream =
+        sessionsAsync
+            .withDeadlineAfter(CALL_TIMEOUT_SECONDS, TimeUnit.SECONDS)
+            .submitRewards(
+                new StreamObserver<>() {
+                  @Override
+                  public void onNext(SubmitRewardsResponse event) {
+                    synchronized (events) {
+                      events.add(event);
+                    }
+                  }
+
+                  @Override
+                  public void onError(Throwable t) {
+                    failure[0] = t;
+                    done.countDown();
+                  }
+
+                  @Override
+                  public void onCompleted() {
+                    done.countDown();
+                  }
+                });
+    for (int i = 0; i < requests.size(); i++) {
+      stream.onNext(
+          SubmitRewardsRequest.newBuilder()
+              .addAllEntries(requests.get(i).entries())
+              .setSequence(i + 1)
+              .build());
+    }
+    stream.onCompleted();
+    check(done.await(CALL_TIMEOUT_SECONDS + 5, TimeUnit.SECONDS), "SubmitRewards did not end");
+    check(failure[0] == null, "SubmitRewards failed: " + failure[0]);
+
+    List<RewardAck> acks = new ArrayList<>();
+    List<GroupResult> results = new ArrayList<>();
+    synchronized (events) {
+      for (SubmitRewardsResponse event : events) {
+        if (event.hasAck()) {
+          acks.add(event.getAck());
+        }
+        check(
+            event.getGroupResultsCount() == 0 || acks.size() == requests.size(),
+            "a group result arrived before the ack of the request that completed its group");
+        results.addAll(event.getGroupResultsList());
+      }
+    }
+    check(acks.size() == requests.size(), "got " + acks.size() + " acks, want " + requests.size());
+    for (int i = 0; i < acks.size(); i++) {
+      RewardAck ack = acks.get(i);
+      RewardRequest request = requests.get(i);
+      check(ack.getSequence() == i + 1, "ack " + (i + 1) + " has sequence " + ack.getSequence());
+      check(
+          ack.getResultsCount() == request.want().size(),
+          "ack " + (i + 1) + " has " + ack.getResultsCount() + " results");
+      for (int j = 0; j < ack.getResultsCount(); j++) {
+        RewardResult r = ack.getResults(j);
+        check(
+            r.getStatus() == request.want().get(j),
+            "ack " + (i + 1) + " entry " + j + " (" + request.entries().get(j).getSession() + "): "
+                + r.getStatus() + " (" + r.getDetail() + "), want " + request.want().get(j));
+      }
+      System.out.println("ack " + ack.getSequence() + ": " + ack.getResultsList().stream()
+          .map(RewardResult::getStatus).toList());
+    }
+    check(results.size() == 1, "got " + results.size() + " group results, want 1");
+    checkResult(results.get(0), groupId, members);
+  }
+
+  private static void checkResult(GroupResult result, String groupId, Session[] members) {
+    check(
+        result.getGroupId().equals(groupId)
+            && result.getOutcome() == GroupOutcome.GROUP_OUTCOME_COMPLETE,
+        "group_result for " + result.getGroupId() + " with outcome " + result.getOutcome());
+    Map<String, Double> sent = new HashMap<>();
+    for (int i = 0; i < members.length; i++) {
+      sent.put(members[i].getName(), REWARDS[i]);
+    }
+    check(
+        result.getSessionsCount() == GROUP_SIZE
+            && result.getRewardsCount() == GROUP_SIZE
+            && result.getAdvantagesCount() == GROUP_SIZE,
+        "group_result has " + result.getSessionsCount() + " sessions, " + result.getRewardsCount()
+            + " rewards, " + result.getAdvantagesCount() + " advantages");
+    // GRPO, computed here: A_i = (r_i - mean) / (sample std + eps), aligned with `sessions`.
+    double[] aligned = new double[GROUP_SIZE];
+    double mean = 0;
+    for (int i = 0; i < GROUP_SIZE; i++) {
+      String name = result.getSessions(i);
+      check(sent.containsKey(name), "group_result names session " + name + ", not one of ours");
+      aligned[i] = sent.get(name);
+      check(
+          result.getRewards(i) == aligned[i],
+          "reward of " + name + " is " + result.getRewards(i) + ", we sent " + aligned[i]);
+      mean += aligned[i];
+    }
+    mean /= GROUP_SIZE;
+    double variance = 0;
+    for (double r : aligned) {
+      variance += (r - mean) * (r - mean);
+    }
+    double std = Math.sqrt(variance / (GROUP_SIZE - 1));
+    for (int i = 0; i < GROUP_SIZE; i++) {
+      double want = (aligned[i] - mean) / (std + EPS);
+      double got = result.getAdvantages(i);
+      check(
+          Math.abs(got - want) <= TOLERANCE,
+          "advantage of " + result.getSessions(i) + " is " + got + ", want " + want);
+    }
+    System.out.println(
+        "group_result " + result.getGroupId() + ": sessions " + result.getSessionsList()
+            + " rewards " + result.getRewardsList() + " advantages " + result.getAdvantagesList()
+            + " (mean " + result.getMean() + ", std " + result.getStd() + ")");
+  }
+}

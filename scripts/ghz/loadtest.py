@@ -1,0 +1,433 @@
+"""ghz load test of sessionrouter, against the trivial server as the baseline.
+
+Runs three bounded ghz scenarios against the real router and then the same three against
+`scripts/trivial_server.py` (same contract, no work), and prints, per scenario, requests/s,
+p50, p99 and the share of non-OK statuses for both, and the router's throughput as a ratio of
+the trivial server's.
+
+Scenarios (group size 8; ids are unique per run, so a run can target a long-lived server):
+
+- `start_session`: StartSession; request n joins group `ss-{run}-{n div 8}`, so every group is
+  formed by 8 calls that run concurrently with each other (ghz sprig template `div`).
+- `start_group`: StartGroup of 8 members; request n creates group `sg-{run}-{n}`.
+- `submit_rewards`: one SubmitRewards stream per request; stream n sends 8 messages
+  (`--stream-call-count 8`), one reward each, for the 8 sessions of group `sg-{run}-{n}`
+  created by `start_group`: real rewards, the last of which completes the group, so the router
+  reduces it and sends the group result on the stream. One ghz "request" is one stream of
+  8 rewards; its latency is the whole stream. ghz cannot read the per-entry statuses inside
+  the acks, so afterwards the script counts the finalized groups with ListGroups and prints it.
+
+Before the load, 64 workers of capacity 1,000,000 are registered (sessions that get no reward
+keep their slot, so capacity must be large). ghz gets the proto files (`--proto`,
+`--import-paths protos`), not reflection. Every run writes ghz's JSON report, an HTML report
+when `ghz-html` (scripts/ghz/htmlreport) is found, and `summary.json`, under
+`reports/ghz/{time}-{profile}/` unless `--reports-dir` says otherwise.
+
+ghz runs on the same 2 cores as the server, for the real and the trivial server alike: the
+absolute numbers are a floor; the ratio is the figure to compare across changes.
+
+Usage:
+    python scripts/ghz/loadtest.py --profile smoke     # a few seconds (make test)
+    python scripts/ghz/loadtest.py --profile full      # make loadtest
+    python scripts/ghz/loadtest.py --target 127.0.0.1:50051  # a router already running
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from sessionrouter.v1 import (
+    resources_pb2,
+    session_service_pb2,
+    session_service_pb2_grpc,
+    worker_service_pb2,
+    worker_service_pb2_grpc,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PROTO_ROOT = REPO_ROOT / "protos"
+SESSION_PROTO = PROTO_ROOT / "sessionrouter" / "v1" / "session_service.proto"
+TRIVIAL_SERVER = REPO_ROOT / "scripts" / "trivial_server.py"
+TOOLS_BIN = REPO_ROOT / ".tools" / "bin"
+
+GROUP_SIZE = 8
+WORKERS = 64
+WORKER_CAPACITY = 1_000_000
+# Rewards of the 8 members of a group in `submit_rewards`: not all equal, so that the reducer
+# does real work (all-equal groups are degenerate and short-circuit to zeros).
+REWARDS = (1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0)
+SERVICE = "sessionrouter.v1.SessionService"
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """Request counts per scenario and ghz concurrency; counts bound every run."""
+
+    start_session: int
+    start_group: int
+    submit_rewards: int
+    concurrency: int
+    ghz_timeout_s: float
+
+
+PROFILES = {
+    "smoke": Profile(
+        start_session=800, start_group=200, submit_rewards=200, concurrency=8, ghz_timeout_s=120
+    ),
+    "full": Profile(
+        start_session=32_000,
+        start_group=4_000,
+        submit_rewards=4_000,
+        concurrency=32,
+        ghz_timeout_s=600,
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    method: str
+    data: str
+    total: int
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One ghz run, read back from its JSON report."""
+
+    scenario: str
+    server: str
+    count: int
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    non_ok_share: float
+    status_codes: dict[str, int]
+    errors: dict[str, int]
+    report: str
+
+    def line(self) -> str:
+        return (
+            f"{self.rps:7.1f} req/s p50 {self.p50_ms:6.2f} ms p99 {self.p99_ms:6.2f} ms "
+            f"non-OK {100 * self.non_ok_share:.2f}%"
+        )
+
+
+def scenarios(profile: Profile, run_id: str) -> list[Scenario]:
+    start_session = {
+        "task_id": f"task-ss-{run_id}-{{{{div .RequestNumber {GROUP_SIZE}}}}}",
+        "group_id": f"ss-{run_id}-{{{{div .RequestNumber {GROUP_SIZE}}}}}",
+        "group_size": GROUP_SIZE,
+        "request_id": f"ss-{run_id}-{{{{.RequestNumber}}}}",
+    }
+    start_group = {
+        "task_id": f"task-sg-{run_id}-{{{{.RequestNumber}}}}",
+        "group_id": f"sg-{run_id}-{{{{.RequestNumber}}}}",
+        "group_size": GROUP_SIZE,
+        "request_id": f"sg-{run_id}-{{{{.RequestNumber}}}}",
+    }
+    # One message per member: the whole array is rendered per stream with that stream's
+    # RequestNumber, then sent message by message.
+    rewards = [
+        {
+            "entries": [
+                {
+                    "session": f"groups/sg-{run_id}-{{{{.RequestNumber}}}}/sessions/{i}",
+                    "reward": reward,
+                }
+            ],
+            "sequence": i + 1,
+        }
+        for i, reward in enumerate(REWARDS)
+    ]
+    session_total = profile.start_session - profile.start_session % GROUP_SIZE
+    return [
+        Scenario("start_session", "StartSession", json.dumps(start_session), session_total),
+        Scenario("start_group", "StartGroup", json.dumps(start_group), profile.start_group),
+        Scenario(
+            "submit_rewards",
+            "SubmitRewards",
+            json.dumps(rewards),
+            min(profile.submit_rewards, profile.start_group),
+            ("--stream-call-count", str(GROUP_SIZE)),
+        ),
+    ]
+
+
+# --- servers ---------------------------------------------------------------------------------
+
+
+def _read_port(port_file: Path) -> int | None:
+    try:
+        text = port_file.read_text().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+@contextmanager
+def launched(argv: Sequence[str], port_file: Path, log: Path, timeout: float = 30) -> Iterator[str]:
+    """Starts a server that writes its port to `port_file`; yields `127.0.0.1:PORT`."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout
+        while (port := _read_port(port_file)) is None:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+                raise SystemExit(f"loadtest: {' '.join(argv)} did not start:\n{tail}")
+            time.sleep(0.05)
+        yield f"127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def server_argv(kind: str, port_file: Path) -> list[str]:
+    listen = ["--listen", "127.0.0.1:0", "--port-file", str(port_file)]
+    if kind == "trivial":
+        return [sys.executable, str(TRIVIAL_SERVER), *listen]
+    serve = [sys.executable, "-m", "sessionrouter.server", "serve"]
+    # --in-memory keeps a journaling router's state off disk; older routers lack the flag.
+    usage = subprocess.run([*serve, "--help"], capture_output=True, text=True, timeout=60).stdout
+    return [*serve, *listen, *(["--in-memory"] if "--in-memory" in usage else [])]
+
+
+@contextmanager
+def registered_workers(address: str, run_id: str) -> Iterator[None]:
+    """Registers the workers, heartbeats them while the load runs, deregisters them after."""
+    ids = [f"ghz-{run_id}-w{i:02d}" for i in range(WORKERS)]
+    stop = threading.Event()
+    with grpc.insecure_channel(address) as channel:
+        stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
+        timeout = 30.0
+        for i, worker_id in enumerate(ids):
+            reply = stub.RegisterWorker(
+                worker_service_pb2.RegisterWorkerRequest(
+                    worker_id=worker_id, address=f"127.0.0.1:{40000 + i}", capacity=WORKER_CAPACITY
+                ),
+                timeout=10,
+            )
+            if reply.HasField("heartbeat_timeout"):
+                timeout = min(timeout, reply.heartbeat_timeout.ToTimedelta().total_seconds())
+
+        def heartbeat() -> None:
+            # A third of the timeout apart, so that a slow beat under load never lets one lapse.
+            while not stop.wait(max(timeout / 3, 0.2)):
+                for worker_id in ids:
+                    beat = worker_service_pb2.HeartbeatRequest(worker_id=worker_id)
+                    try:
+                        stub.Heartbeat(beat, timeout=10)
+                    except grpc.RpcError as e:  # the next round tries again
+                        print(f"loadtest: heartbeat of {worker_id}: {e}", file=sys.stderr)
+
+        beats = threading.Thread(target=heartbeat, name="heartbeats", daemon=True)
+        beats.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            beats.join()
+            for worker_id in ids:
+                stub.DeregisterWorker(
+                    worker_service_pb2.DeregisterWorkerRequest(worker_id=worker_id), timeout=10
+                )
+
+
+def count_finalized(address: str, prefix: str) -> int:
+    """Finalized groups whose id starts with `prefix`, by paging through ListGroups."""
+    found, token = 0, ""
+    with grpc.insecure_channel(address) as channel:
+        stub = session_service_pb2_grpc.SessionServiceStub(channel)
+        while True:
+            page = stub.ListGroups(
+                session_service_pb2.ListGroupsRequest(
+                    page_size=1000, page_token=token, state=resources_pb2.GROUP_STATE_FINALIZED
+                ),
+                timeout=30,
+            )
+            found += sum(1 for g in page.groups if g.group_id.startswith(prefix))
+            token = page.next_page_token
+            if not token:
+                return found
+
+
+# --- ghz -------------------------------------------------------------------------------------
+
+
+def find_tool(explicit: str | None, name: str, env: str) -> str | None:
+    for candidate in (explicit, os.environ.get(env), str(TOOLS_BIN / name)):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return shutil.which(name)
+
+
+def run_ghz(
+    ghz: str, address: str, server: str, scenario: Scenario, profile: Profile, report: Path
+) -> Measurement:
+    argv = [
+        ghz,
+        "--insecure",
+        "--proto",
+        str(SESSION_PROTO.relative_to(REPO_ROOT)),
+        "--import-paths",
+        str(PROTO_ROOT.relative_to(REPO_ROOT)),
+        "--call",
+        f"{SERVICE}.{scenario.method}",
+        "--data",
+        scenario.data,
+        "--total",
+        str(scenario.total),
+        "--concurrency",
+        str(profile.concurrency),
+        "--timeout",
+        "20s",
+        "--format",
+        "json",
+        "--output",
+        str(report),
+        *scenario.extra_args,
+        address,
+    ]
+    try:
+        done = subprocess.run(
+            argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=profile.ghz_timeout_s
+        )
+    except subprocess.TimeoutExpired as e:
+        raise SystemExit(f"loadtest: ghz {scenario.name} ran over {e.timeout:.0f} s") from e
+    if done.returncode != 0 or not report.is_file():
+        raise SystemExit(
+            f"loadtest: ghz {scenario.name} exited with {done.returncode}:\n"
+            f"{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
+    return read_report(report, scenario.name, server)
+
+
+def read_report(path: Path, scenario: str, server: str) -> Measurement:
+    data: dict[str, Any] = json.loads(path.read_text())
+    count = int(data["count"])
+    codes: dict[str, int] = {str(k): int(v) for k, v in data["statusCodeDistribution"].items()}
+    latency = {int(p["percentage"]): float(p["latency"]) for p in data["latencyDistribution"] or []}
+    return Measurement(
+        scenario=scenario,
+        server=server,
+        count=count,
+        rps=float(data["rps"]),
+        p50_ms=latency.get(50, float("nan")) / 1e6,
+        p99_ms=latency.get(99, float("nan")) / 1e6,
+        non_ok_share=(1 - codes.get("OK", 0) / count) if count else 1.0,
+        status_codes=codes,
+        errors={str(k): int(v) for k, v in (data.get("errorDistribution") or {}).items()},
+        report=str(path),
+    )
+
+
+def load(
+    ghz: str, address: str, server: str, profile: Profile, reports: Path, run_id: str
+) -> list[Measurement]:
+    results = []
+    with registered_workers(address, run_id):
+        for scenario in scenarios(profile, run_id):
+            report = reports / f"{scenario.name}-{server}.json"
+            results.append(run_ghz(ghz, address, server, scenario, profile, report))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="smoke")
+    parser.add_argument("--target", help="a running router (HOST:PORT); default: start one")
+    parser.add_argument("--ghz", help="ghz binary; default $GHZ, .tools/bin/ghz, then PATH")
+    parser.add_argument("--reports-dir", type=Path, help="default reports/ghz/{time}-{profile}")
+    args = parser.parse_args(argv)
+
+    profile = PROFILES[args.profile]
+    ghz = find_tool(args.ghz, "ghz", "GHZ")
+    if ghz is None:
+        raise SystemExit("loadtest: ghz not found; `make ghz` installs it into .tools/bin")
+    run_id = uuid.uuid4().hex[:8]
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    reports: Path = args.reports_dir or REPO_ROOT / "reports" / "ghz" / f"{stamp}-{args.profile}"
+    reports.mkdir(parents=True, exist_ok=True)
+
+    measurements: dict[str, list[Measurement]] = {}
+    finalized: int | None = None
+    with ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ghz-")))
+        for server in ("real", "trivial"):
+            if server == "real" and args.target:
+                address = args.target
+            else:
+                port_file = tmp / f"{server}.port"
+                address = stack.enter_context(
+                    launched(server_argv(server, port_file), port_file, reports / f"{server}.log")
+                )
+            measurements[server] = load(ghz, address, server, profile, reports, run_id)
+            if server == "real":
+                finalized = count_finalized(address, f"sg-{run_id}-")
+
+    html = find_tool(None, "ghz-html", "GHZ_HTML")
+    if html is not None:
+        jsons = [m.report for ms in measurements.values() for m in ms]
+        subprocess.run([html, *jsons], check=True, timeout=120)
+
+    rows = []
+    print(f"ghz {args.profile}: concurrency {profile.concurrency}, group size {GROUP_SIZE}")
+    for real, trivial in zip(measurements["real"], measurements["trivial"], strict=True):
+        ratio = real.rps / trivial.rps if trivial.rps else float("nan")
+        print(
+            f"{real.scenario:<14s} n={real.count:<5d} router {real.line()} | "
+            f"trivial {trivial.line()} | ratio {ratio:.2f}"
+        )
+        if real.non_ok_share:
+            print(f"{'':14s} router statuses {real.status_codes} errors {real.errors}")
+        rows.append(
+            {"scenario": real.scenario, "ratio": ratio}
+            | {
+                "real": dataclasses.asdict(real),
+                "trivial": dataclasses.asdict(trivial),
+            }
+        )
+    submitted = measurements["real"][-1].count
+    print(f"submit_rewards: {finalized} of {submitted} reward streams finalized their group")
+    summary = {
+        "profile": args.profile,
+        "concurrency": profile.concurrency,
+        "group_size": GROUP_SIZE,
+        "run_id": run_id,
+        "finalized_groups": finalized,
+        "reward_streams": submitted,
+        "scenarios": rows,
+        "html": html is not None,
+    }
+    (reports / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"reports: {reports}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Clients in Go, Node and Java, built from protos/, run the interop scenario against a real
+router: 4 workers, one group of 4 formed by concurrent StartSession calls on distinct workers,
+a conflicting group_size refused, rewards with a bad entry and a NaN on one stream, and GRPO
+advantages checked against numbers each client computes itself (clients/*/, mk/polyglot.mk).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+
+import pytest
+
+from ._server import REPO_ROOT, running_server
+from ._toolchain import make, require_tools
+
+CLIENT_TIMEOUT_S = 90
+
+
+@dataclasses.dataclass(frozen=True)
+class Client:
+    tools: tuple[str, ...]
+    make_target: str
+    argv: tuple[str, ...]
+
+
+CLIENTS = {
+    "go": Client(("go",), "interop-go", ("clients/go/bin/interop-client",)),
+    "node": Client(("node", "npm"), "interop-node", ("node", "clients/node/client.mjs")),
+    "java": Client(
+        ("java", "mvn"), "interop-java", ("java", "-jar", "clients/java/target/interop-client.jar")
+    ),
+}
+
+
+@pytest.mark.interop
+@pytest.mark.timeout(600)  # a cold Maven or Go build downloads its dependencies first
+@pytest.mark.parametrize("language", sorted(CLIENTS))
+def test_client_runs_the_scenario_against_the_router(language: str) -> None:
+    client = CLIENTS[language]
+    require_tools(*client.tools)
+    make(client.make_target)
+
+    with running_server("real") as address:
+        try:
+            done = subprocess.run(
+                [*client.argv, address],
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
+                timeout=CLIENT_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"the {language} client ran over {CLIENT_TIMEOUT_S} s:\n{e.output!r}")
+
+    output = f"--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
+    assert done.returncode == 0, f"the {language} client exited with {done.returncode}\n{output}"
+    assert f"{language} interop client: OK" in done.stdout, output
