@@ -4,14 +4,22 @@ Shutdown is graceful: the router stops taking new sessions and the health servic
 NOT_SERVING at once (so a mesh stops sending traffic), queued groups are reduced and published,
 subscribers are told the feed closed, in-flight calls get ``grace_s`` to finish, and the
 journal is flushed last.
+
+With a journal (``ServerConfig.journal``), ``start()`` first rebuilds the router from it and
+logs one ``recovered`` line; every mutating call then waits for the journal's group commit
+before it replies. A journal that cannot be written is fail-stop: calls get UNAVAILABLE, health
+turns NOT_SERVING and ``failed`` is set (the CLI then exits non-zero), because a router that
+can no longer make changes durable must not acknowledge any; its restart recovers what was.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 from wsgiref.simple_server import WSGIServer
@@ -22,9 +30,11 @@ from grpc_reflection.v1alpha import reflection
 
 from sessionrouter.server.auth import TokenAuthInterceptor
 from sessionrouter.server.core.clock import Clock
+from sessionrouter.server.core.errors import Unavailable
+from sessionrouter.server.core.journal import JournalError, SqliteJournal, SyncMode, paused_gc
 from sessionrouter.server.core.router import RouterSettings, SessionRouter
 from sessionrouter.server.metrics import RouterCollector, serve_metrics
-from sessionrouter.server.servicer import SessionServicer, WorkerServicer
+from sessionrouter.server.servicer import Commit, SessionServicer, WorkerServicer, no_journal
 from sessionrouter.v1 import session_service_pb2, worker_service_pb2
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
 from sessionrouter.v1 import worker_service_pb2_grpc as wpb_grpc
@@ -48,6 +58,17 @@ class WorkerSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class JournalConfig:
+    """Where, and how hard, the router journals its state (see ``core.journal``)."""
+
+    state_dir: str
+    sync: SyncMode = SyncMode.FULL
+    check_on_start: bool = True
+    """Run SQLite's quick_check before loading: catches a damaged page anywhere in the file
+    (indexes included) at the price of reading it once more at start-up."""
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     """Everything the process needs to serve."""
 
@@ -68,6 +89,8 @@ class ServerConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     metrics_port: int | None = None
+    journal: JournalConfig | None = None
+    """None keeps every state in memory: a restart loses it (tests, benchmarks)."""
 
 
 class RouterServer:
@@ -76,7 +99,11 @@ class RouterServer:
     def __init__(self, config: ServerConfig, clock: Clock | None = None) -> None:
         self.config = config
         self.router = SessionRouter(config.router, clock)
-        self.commit: Callable[[], Awaitable[None]] = _no_journal
+        self.commit: Commit = no_journal
+        self.journal: SqliteJournal | None = None
+        self.failed = asyncio.Event()
+        """Set when the journal failed: the process should stop and exit non-zero."""
+        self._failure_tasks: set[asyncio.Task[None]] = set()
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -87,10 +114,22 @@ class RouterServer:
         self.metrics_port = 0
 
     async def start(self) -> int:
-        """Binds, starts serving and returns the bound port (useful with port 0)."""
+        """Recovers from the journal if there is one, binds, starts serving and returns the
+        bound port (useful with port 0). JournalError when the journal cannot be used."""
+        cfg = self.config
+        if cfg.journal is not None:
+            await self._recover(cfg.journal)
+        try:
+            return await self._start()
+        except BaseException:
+            if self.journal is not None:
+                await self.journal.close()
+            raise
+
+    async def _start(self) -> int:
         cfg = self.config
         for spec in cfg.workers:
-            self.router.register_worker(spec.worker_id, spec.address, spec.capacity, spec.labels)
+            self._register_static_worker(spec)
         options: list[tuple[str, int]] = [
             ("grpc.keepalive_time_ms", int(cfg.keepalive_time_s * 1000)),
             ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
@@ -144,8 +183,81 @@ class RouterServer:
         )
         return self.port
 
-    async def _commit(self) -> None:
-        await self.commit()
+    def _commit(self) -> Awaitable[None]:
+        # Not a coroutine: the durability point is the moment of the call (see Commit).
+        return self.commit()
+
+    async def _recover(self, cfg: JournalConfig) -> None:
+        started = time.perf_counter()
+        settings = self.router.settings
+        journal = SqliteJournal(
+            cfg.state_dir,
+            sync=cfg.sync,
+            keep_finished=max(settings.feed_retention, settings.finished_group_retention),
+        )
+        try:
+            if cfg.check_on_start:
+                await asyncio.to_thread(journal.check)
+            state = await asyncio.to_thread(journal.load)
+            self.router.journal = journal
+            self.router.finalizer.journal = journal
+            try:
+                with paused_gc():
+                    summary = self.router.restore(state)
+            except ValueError as exc:
+                raise JournalError(journal.path, f"inconsistent state ({exc})") from None
+        except BaseException:
+            journal.close_now()
+            raise
+        journal.on_failure.append(self._journal_failed)
+        journal.start()
+        self.journal = journal
+        self.commit = journal.commit
+        log.info(
+            "recovered",
+            extra={
+                "event": "recovered",
+                "path": str(journal.path),
+                "sync": cfg.sync.value,
+                "journal_bytes": journal.size_bytes(),
+                "journal_events": state.events,
+                **dataclasses.asdict(summary),
+                "ms": round((time.perf_counter() - started) * 1000, 1),
+            },
+        )
+
+    def _register_static_worker(self, spec: WorkerSpec) -> None:
+        """Registers a worker given at start-up. One the journal knows at another address
+        is replaced: the command line says where the worker is now."""
+        known = self.router.workers.find(spec.worker_id)
+        if known is not None and known.address != spec.address:
+            log.warning(
+                "static worker moved",
+                extra={
+                    "event": "static_worker_moved",
+                    "worker_id": spec.worker_id,
+                    "journaled_address": known.address,
+                    "address": spec.address,
+                },
+            )
+            self.router.deregister_worker(spec.worker_id)
+        self.router.register_worker(spec.worker_id, spec.address, spec.capacity, spec.labels)
+
+    def _journal_failed(self, error: BaseException) -> None:
+        task = asyncio.get_running_loop().create_task(self._fail_stop())
+        self._failure_tasks.add(task)
+        task.add_done_callback(self._failure_tasks.discard)
+
+    async def _fail_stop(self) -> None:
+        self.router.accepting = False
+        await self.health.enter_graceful_shutdown()
+        self.failed.set()
+
+    async def _flush_results(self) -> None:
+        """Reduces, makes durable and publishes every finished group (a failed journal
+        leaves them unpublished: they are finalized again after the restart)."""
+        with contextlib.suppress(Unavailable):
+            await self.router.finalizer.flush()
 
     async def _tick(self) -> None:
         static = {spec.worker_id for spec in self.config.workers}
@@ -156,6 +268,8 @@ class RouterServer:
                     if self.router.workers.find(worker_id) is not None:
                         self.router.heartbeat(worker_id)
             self.router.expire_due()
+            if self.journal is not None:
+                self.journal.kick()
             if self._metrics is not None:
                 self._metrics.refresh()
 
@@ -167,15 +281,16 @@ class RouterServer:
         log.info("draining", extra={"event": "draining", "grace_s": grace})
         self.router.accepting = False
         await self.health.enter_graceful_shutdown()
-        self.router.finalizer.drain()
+        await self._flush_results()
         self.router.feed.close()
         await self._server.stop(grace)
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self.router.finalizer.drain()
-        await self.commit()
+        await self._flush_results()
+        if self.journal is not None:
+            await self.journal.close()
         if self._metrics_http is not None:
             await asyncio.to_thread(self._metrics_http.shutdown)
             self._metrics_http.server_close()
@@ -184,10 +299,6 @@ class RouterServer:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
-
-
-async def _no_journal() -> None:
-    return None
 
 
 def _server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:

@@ -1,7 +1,10 @@
 """The ``sessionrouter`` command.
 
 ``sessionrouter serve`` runs the router until SIGTERM or Ctrl-C, then drains gracefully and
-exits 0. Bad configuration prints one ``sessionrouter: error: ...`` line and exits 2.
+exits 0. Bad configuration prints one ``sessionrouter: error: ...`` line and exits 2. A journal
+that cannot be used (not SQLite, not ours, another schema version, unreadable, locked by
+another router) prints one line naming the file and the problem and exits 1, and so does a
+journal that fails while serving (after draining what it can); the file is never reset.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 from sessionrouter.server import logs
 from sessionrouter.server.app import RouterServer, ServerConfig
 from sessionrouter.server.config import ConfigError, Overrides, build_config, load_file
+from sessionrouter.server.core.journal import JournalError
 
 log = logging.getLogger("sessionrouter.cli")
 
@@ -118,6 +122,22 @@ def _parser() -> argparse.ArgumentParser:
     add("--tls-cert", dest="tls_cert_file", metavar="FILE")
     add("--tls-key", dest="tls_key_file", metavar="FILE")
     add("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on PORT")
+    add(
+        "--state-dir",
+        metavar="DIR",
+        help="journal state here, durably, and recover it on start (default ./state)",
+    )
+    add(
+        "--in-memory",
+        action="store_true",
+        help="keep no journal: a restart loses every group, reward and cursor (tests, benchmarks)",
+    )
+    add(
+        "--journal-sync",
+        choices=("full", "normal"),
+        help="full (default): fsync every group commit, survives power loss; normal: survives a"
+        " router crash but not an OS crash or power loss",
+    )
     add("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add("--log-format", default="json", choices=("json", "text"))
     return parser
@@ -153,11 +173,15 @@ def _overrides(args: argparse.Namespace) -> Overrides:
         tls_key_file=args.tls_key_file,
         metrics_port=args.metrics_port,
         feed_retention=args.feed_retention,
+        state_dir=args.state_dir,
+        in_memory=args.in_memory,
+        journal_sync=args.journal_sync,
     )
 
 
-async def serve(config: ServerConfig, port_file: str | None) -> None:
-    """Runs the server until SIGTERM/SIGINT, then drains and returns."""
+async def serve(config: ServerConfig, port_file: str | None) -> int:
+    """Runs the server until SIGTERM/SIGINT (returns 0) or a journal failure (returns 1),
+    then drains."""
     server = RouterServer(config)
     port = await server.start()
     if port_file:
@@ -167,8 +191,16 @@ async def serve(config: ServerConfig, port_file: str | None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    stopped = asyncio.create_task(stop.wait())
+    failed = asyncio.create_task(server.failed.wait())
+    await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (stopped, failed):
+        task.cancel()
     await server.stop()
+    if server.failed.is_set():
+        print("sessionrouter: error: the journal failed; stopped (see the log)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _write_port_file(path: str, port: int) -> None:
@@ -188,9 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sessionrouter: error: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(config, args.port_file))
-    except (OSError, RuntimeError) as exc:
+        return asyncio.run(serve(config, args.port_file))
+    except (OSError, RuntimeError, JournalError) as exc:
         # grpc reports a port it cannot bind as RuntimeError.
         print(f"sessionrouter: error: {exc}", file=sys.stderr)
         return 1
-    return 0

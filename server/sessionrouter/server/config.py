@@ -16,6 +16,15 @@ The file mirrors the flags, for example::
     address = "10.0.0.7:30000"
     capacity = 8
     labels = { model = "qwen3-8b" }
+    [journal]
+    state_dir = "/var/lib/sessionrouter"   # or in_memory = true
+    sync = "full"                          # or "normal"; see core.journal
+    check_on_start = true
+
+Without ``--state-dir``, ``--in-memory`` or a ``[journal]`` table the router journals to
+``./state`` (``DEFAULT_STATE_DIR``): durable unless told otherwise, because rewards from real
+users cannot be produced again; the directory is relative to where the router starts, as
+Prometheus's ``data/`` is, and its lock refuses a second router on the same directory.
 
 Every problem is a ConfigError whose message names the key and what is wrong, so the CLI can
 print one line and exit non-zero instead of a traceback.
@@ -23,6 +32,7 @@ print one line and exit non-zero instead of a traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tomllib
 from collections.abc import Mapping
@@ -30,14 +40,18 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from sessionrouter.server.app import ServerConfig, WorkerSpec
+from sessionrouter.server.app import JournalConfig, ServerConfig, WorkerSpec
 from sessionrouter.server.core.errors import RouterError
 from sessionrouter.server.core.estimators import EstimatorParams, validate_params
+from sessionrouter.server.core.journal import SyncMode
 from sessionrouter.server.core.placement import PlacementMode
 from sessionrouter.server.core.router import RouterSettings
 from sessionrouter.server.core.validation import check_id
 
 DEMO_WORKER_BASE_PORT = 30000
+DEFAULT_STATE_DIR = "state"
+"""Where the journal lives when nothing says otherwise, relative to the working directory."""
+_JOURNAL_KEYS = {"state_dir", "in_memory", "sync", "check_on_start"}
 
 
 class ConfigError(ValueError):
@@ -69,6 +83,9 @@ class Overrides:
     tls_key_file: str | None = None
     metrics_port: int | None = None
     feed_retention: int | None = None
+    state_dir: str | None = None
+    in_memory: bool = False
+    journal_sync: str | None = None
 
 
 _FILE_KEYS = {
@@ -292,7 +309,36 @@ def build_config(flags: Overrides, file_data: Mapping[str, Any] | None = None) -
         metrics_port=_pick(flags.metrics_port, _get(data, "metrics_port", int, ""), None),
     )
     _check_positive("grace_s", config.grace_s)
-    return config
+    return dataclasses.replace(config, journal=_journal(flags, data.get("journal", {}) or {}))
+
+
+def _journal(flags: Overrides, section: Any) -> JournalConfig | None:
+    """The journal settings: flags win over the file; no setting at all means ./state."""
+    if not isinstance(section, dict):
+        raise ConfigError("journal must be a table")
+    unknown = sorted(set(section) - _JOURNAL_KEYS)
+    if unknown:
+        raise ConfigError(f"journal: unknown keys {unknown}")
+    if flags.in_memory and flags.state_dir is not None:
+        raise ConfigError("--in-memory and --state-dir exclude each other")
+    file_dir = _get(section, "state_dir", str, "journal.")
+    file_in_memory = _get(section, "in_memory", bool, "journal.") or False
+    if file_in_memory and file_dir is not None:
+        raise ConfigError("journal.in_memory and journal.state_dir exclude each other")
+    sync_name = _pick(flags.journal_sync, _get(section, "sync", str, "journal."), "full")
+    try:
+        sync = SyncMode(sync_name)
+    except ValueError:
+        raise ConfigError(f"journal.sync must be 'full' or 'normal', got {sync_name!r}") from None
+    check = _get(section, "check_on_start", bool, "journal.")
+    if flags.in_memory:
+        return None
+    if flags.state_dir is None and file_in_memory:
+        return None
+    state_dir = flags.state_dir or file_dir or DEFAULT_STATE_DIR
+    if not state_dir:
+        raise ConfigError("the state directory must not be empty")
+    return JournalConfig(state_dir, sync, True if check is None else check)
 
 
 def _check_positive(key: str, value: float) -> None:

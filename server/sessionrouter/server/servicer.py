@@ -4,6 +4,11 @@ No routing logic lives here. Each handler converts its request, calls the Sessio
 synchronously (so the call is atomic on the event loop), converts the records it got back into
 messages *before* awaiting anything, then awaits the durability barrier so that nothing is
 acknowledged before it is journaled.
+
+A SubmitRewards stream does not wait for one request's barrier before reading the next: it
+takes the barrier at once and hands it, with the ack, to a sender that acks in request order as
+each becomes durable. So consecutive requests of one stream share journal batches, and one
+stream sending small requests is not held to one request per fsync.
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Generator
 from typing import NoReturn
 
 import grpc
@@ -36,17 +42,44 @@ FEED_READ_BATCH = 256
 RESULTS_PER_MESSAGE = 256
 """Group results per SubmitRewards message, at most."""
 
+MAX_UNACKED_REQUESTS = 256
+"""Requests of one SubmitRewards stream applied but not yet acked (waiting for the journal)
+beyond which the stream stops reading: bounds what a fast sender can queue."""
+
 Commit = Callable[[], Awaitable[None]]
-"""Returns once every state change made so far is durable (a no-op without a journal)."""
+"""Returns an awaitable that resolves once every state change made *before the call* is
+durable; it raises the core's Unavailable once the journal has failed."""
 
 
-async def _no_journal() -> None:
-    return None
+class _AlreadyDurable:
+    """The commit of a router without a journal: nothing to wait for. Not a coroutine, so one
+    taken and never awaited (a stream cancelled with acks queued) leaves no warning behind."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[None, None, None]:
+        yield from ()
+
+
+ALREADY_DURABLE = _AlreadyDurable()
+
+
+def no_journal() -> Awaitable[None]:
+    """The Commit of a router that keeps its state in memory only."""
+    return ALREADY_DURABLE
 
 
 async def _abort(context: grpc.aio.ServicerContext[object, object], error: RouterError) -> NoReturn:
     await context.abort_with_status(to_status(error))
     raise AssertionError("abort_with_status returned")  # pragma: no cover
+
+
+async def _durable(commit: Commit, context: grpc.aio.ServicerContext[object, object]) -> None:
+    """Waits until the call's changes are durable; a failed journal fails the call."""
+    try:
+        await commit()
+    except RouterError as error:
+        await _abort(context, error)
 
 
 def _pack_stream_events(events: list[StreamEvent]) -> list[spb.SubmitRewardsResponse]:
@@ -80,7 +113,7 @@ def _ack_to_proto(ack: RewardAck) -> spb.RewardAck:
 class WorkerServicer(wpb_grpc.WorkerServiceServicer):
     """WorkerService over the router's worker registry."""
 
-    def __init__(self, router: SessionRouter, commit: Commit = _no_journal) -> None:
+    def __init__(self, router: SessionRouter, commit: Commit = no_journal) -> None:
         self._router = router
         self._commit = commit
 
@@ -97,7 +130,7 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
             worker=convert.worker_to_proto(worker),
             heartbeat_timeout=convert.duration(self._router.settings.heartbeat_timeout_s),
         )
-        await self._commit()
+        await _durable(self._commit, context)
         return reply
 
     async def Heartbeat(
@@ -117,7 +150,7 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         except RouterError as error:
             await _abort(context, error)
         reply = wpb.DrainWorkerResponse(worker=convert.worker_to_proto(worker))
-        await self._commit()
+        await _durable(self._commit, context)
         return reply
 
     async def DeregisterWorker(
@@ -132,7 +165,7 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         reply = wpb.DeregisterWorkerResponse(
             worker=convert.worker_to_proto(worker), lost_sessions=lost
         )
-        await self._commit()
+        await _durable(self._commit, context)
         return reply
 
     async def GetWorker(
@@ -161,7 +194,7 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
 class SessionServicer(spb_grpc.SessionServiceServicer):
     """SessionService over the router core."""
 
-    def __init__(self, router: SessionRouter, commit: Commit = _no_journal) -> None:
+    def __init__(self, router: SessionRouter, commit: Commit = no_journal) -> None:
         self._router = router
         self._commit = commit
 
@@ -179,7 +212,7 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
             shared_worker=started.session.shared_worker,
             replayed=started.replayed,
         )
-        await self._commit()
+        await _durable(self._commit, context)
         return reply
 
     async def StartGroup(
@@ -194,7 +227,7 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
             shared_worker=started.shared_worker,
             replayed=started.replayed,
         )
-        await self._commit()
+        await _durable(self._commit, context)
         return reply
 
     async def AbortSession(
@@ -205,7 +238,7 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
         except RouterError as error:
             await _abort(context, error)
         reply = spb.AbortSessionResponse(session=convert.session_to_proto(session))
-        await self._commit()
+        await _durable(self._commit, context)
         return reply
 
     async def GetSession(
@@ -265,28 +298,42 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
     async def _read_rewards(
         self, requests: AsyncIterable[spb.SubmitRewardsRequest], stream: RewardStream
     ) -> None:
+        acks = _DurableAcks(stream)
         try:
-            async for request in requests:
-                await stream.room(STREAM_BACKLOG_LIMIT)
-                if len(request.entries) > MAX_ENTRIES_PER_REQUEST:
-                    raise InvalidArgument(
-                        "TOO_MANY_ENTRIES",
-                        f"a request carries {len(request.entries)} entries, at most"
-                        f" {MAX_ENTRIES_PER_REQUEST} allowed",
-                        metadata={
-                            "entries": len(request.entries),
-                            "limit": MAX_ENTRIES_PER_REQUEST,
-                        },
-                        field_violations=[("entries", f"at most {MAX_ENTRIES_PER_REQUEST}")],
-                    )
-                number = stream.begin_request()
-                outcomes = self._router.submit_rewards(
-                    [(e.session, e.reward) for e in request.entries], origin=(stream, number)
-                )
-                await self._commit()
-                stream.ack(number, RewardAck(request.sequence, outcomes))
+            try:
+                await self._apply_rewards(requests, stream, acks)
+            finally:
+                # Also when this request failed: the earlier ones still get their acks.
+                await acks.close()
         finally:
+            acks.cancel()
             stream.end_input()
+
+    async def _apply_rewards(
+        self,
+        requests: AsyncIterable[spb.SubmitRewardsRequest],
+        stream: RewardStream,
+        acks: _DurableAcks,
+    ) -> None:
+        async for request in requests:
+            await stream.room(STREAM_BACKLOG_LIMIT)
+            if len(request.entries) > MAX_ENTRIES_PER_REQUEST:
+                raise InvalidArgument(
+                    "TOO_MANY_ENTRIES",
+                    f"a request carries {len(request.entries)} entries, at most"
+                    f" {MAX_ENTRIES_PER_REQUEST} allowed",
+                    metadata={
+                        "entries": len(request.entries),
+                        "limit": MAX_ENTRIES_PER_REQUEST,
+                    },
+                    field_violations=[("entries", f"at most {MAX_ENTRIES_PER_REQUEST}")],
+                )
+            number = stream.begin_request()
+            outcomes = self._router.submit_rewards(
+                [(e.session, e.reward) for e in request.entries], origin=(stream, number)
+            )
+            acks.add(self._commit(), number, RewardAck(request.sequence, outcomes))
+            await acks.room(MAX_UNACKED_REQUESTS)
 
     async def SubscribeGroups(
         self,
@@ -309,3 +356,59 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
                 continue
             yield spb.SubscribeGroupsResponse(groups=[convert.result_to_proto(r) for r in batch])
             cursor = batch[-1].cursor
+
+
+class _DurableAcks:
+    """Acks of one SubmitRewards stream, sent in request order, each once durable.
+
+    The reader adds (barrier, ack) pairs without waiting; one task awaits the barriers in
+    order and queues the acks on the stream. Barriers of one journal resolve in order, so
+    awaiting them in order costs nothing extra."""
+
+    def __init__(self, stream: RewardStream) -> None:
+        self._stream = stream
+        self._queue: deque[tuple[Awaitable[None], int, RewardAck]] = deque()
+        self._added = asyncio.Event()
+        self._sent = asyncio.Event()
+        self._closing = False
+        self._task = asyncio.create_task(self._send(), name="reward-acks")
+
+    def add(self, durable: Awaitable[None], number: int, ack: RewardAck) -> None:
+        self._queue.append((durable, number, ack))
+        self._added.set()
+
+    async def room(self, limit: int) -> None:
+        """Waits while more than ``limit`` acks are queued; raises what failed the sender."""
+        while len(self._queue) > limit and not self._task.done():
+            self._sent.clear()
+            await self._sent.wait()
+        if self._task.done():
+            self._task.result()
+
+    async def close(self) -> None:
+        """Waits until every ack added so far is sent; raises what failed the sender."""
+        self._closing = True
+        self._added.set()
+        await self._task
+
+    def cancel(self) -> None:
+        if not self._task.done():
+            self._task.cancel()
+        elif not self._task.cancelled():
+            self._task.exception()  # retrieved: whoever needed it got it from close()
+
+    async def _send(self) -> None:
+        try:
+            while True:
+                while self._queue:
+                    durable, number, ack = self._queue[0]
+                    await durable
+                    self._queue.popleft()
+                    self._stream.ack(number, ack)
+                    self._sent.set()
+                if self._closing:
+                    return
+                self._added.clear()
+                await self._added.wait()
+        finally:
+            self._sent.set()

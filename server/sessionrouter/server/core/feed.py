@@ -97,6 +97,20 @@ class GroupFeed:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
+    def restore(self, results: list[GroupResult], last_cursor: int) -> None:
+        """Refills an empty feed from a journal: ``results`` in cursor order, contiguous and
+        ending at ``last_cursor`` (or empty, when every group was compacted away), so cursors
+        continue where the previous process stopped. Only the newest ``retention`` are kept."""
+        if self._items or self.last_cursor != 0:
+            raise ValueError("only an empty feed can be restored")
+        kept = results[-self.retention :]
+        cursors = [r.cursor for r in kept]
+        first = cursors[0] if cursors else last_cursor + 1
+        if cursors != list(range(first, last_cursor + 1)):
+            raise ValueError(f"restored cursors are not a contiguous run ending at {last_cursor}")
+        self._items = list(kept)
+        self._first = first
+
     def read_after(self, cursor: int, limit: int) -> list[GroupResult]:
         """Up to ``limit`` results with cursors greater than ``cursor``.
 

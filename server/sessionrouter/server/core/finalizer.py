@@ -2,23 +2,36 @@
 
 Groups that finish within one short window (``window_s``, a few milliseconds) are reduced in
 one vectorized call of the AdvantageReducer over all their rewards, instead of one NumPy call
-per group; a batch that reaches ``max_batch`` groups is reduced at once without waiting. The
-results then go, in finish order, to the feed (which gives each its cursor), to the stream
-whose reward finished the group, and to listeners (logs, metrics, journal).
+per group; a batch that reaches ``max_batch`` groups is reduced at once without waiting. Each
+result gets the next cursor, in finish order, and then goes to the feed, to the stream whose
+reward finished the group, and to listeners (logs, metrics).
+
+With a journal there is one more step between the two: a result is journaled, and published
+only once the journal says it is durable. A subscriber that has seen cursor 41 must never see
+cursor 41 given to another group after a crash, and a trainer must never receive advantages of
+a group that a restarted router would finalize again. ``drain()`` reduces and journals;
+``flush()`` also waits for durability and publishes. The fsync wait doubles as the batching
+window: groups that finish while one batch is being written are reduced together next.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from sessionrouter.server.core.errors import Unavailable
+from sessionrouter.server.core.events import GroupFinalized, JournalSink
 from sessionrouter.server.core.feed import GroupFeed, GroupOutcome, GroupResult
 from sessionrouter.server.core.groups import GroupRecord, SessionRecord
 from sessionrouter.server.core.reducer import AdvantageReducer
 from sessionrouter.server.core.streams import RewardStream
+
+log = logging.getLogger("sessionrouter.finalizer")
 
 _EMPTY = np.zeros(0, dtype=np.float64)
 
@@ -44,20 +57,38 @@ Listener = Callable[[GroupResult, GroupRecord], None]
 class GroupFinalizer:
     """Micro-batching reducer stage between the router and the feed."""
 
-    def __init__(self, feed: GroupFeed, window_s: float, max_batch: int) -> None:
+    def __init__(
+        self,
+        feed: GroupFeed,
+        window_s: float,
+        max_batch: int,
+        journal: JournalSink | None = None,
+    ) -> None:
         self.feed = feed
         self.window_s = window_s
         self.max_batch = max_batch
+        self.journal = journal
+        """Where results are made durable before publication; None publishes at once."""
         self.reducer = AdvantageReducer()
         self.listeners: list[Listener] = []
         self.batches = 0
         """How many micro-batches were reduced (for metrics and tests)."""
         self._pending: list[FinishedGroup] = []
         self._wake = asyncio.Event()
+        self._unpublished: deque[tuple[GroupResult, FinishedGroup]] = deque()
+        """Journaled results waiting for durability, in cursor order."""
+        self._journaled = 0
+        self._published = 0
 
     @property
     def pending(self) -> int:
+        """Groups queued for reduction."""
         return len(self._pending)
+
+    @property
+    def unpublished(self) -> int:
+        """Results reduced and journaled but not yet durable, hence not yet published."""
+        return len(self._unpublished)
 
     def submit(self, finished: FinishedGroup) -> None:
         """Queues a finished group; the run loop reduces it within ``window_s``."""
@@ -67,7 +98,9 @@ class GroupFinalizer:
         self._wake.set()
 
     def drain(self) -> list[GroupResult]:
-        """Reduces and publishes everything queued now, in one vectorized call."""
+        """Reduces everything queued now, in one vectorized call, and gives each result its
+        cursor. Without a journal the results are published at once; with one they are
+        journaled and wait for ``flush()``."""
         batch, self._pending = self._pending, []
         if not batch:
             return []
@@ -101,7 +134,7 @@ class GroupFinalizer:
             if finished.outcome is GroupOutcome.DROPPED:
                 advantages = _EMPTY
             result = GroupResult(
-                cursor=self.feed.next_cursor(),
+                cursor=self.feed.next_cursor() + len(self._unpublished),
                 group_id=group.group_id,
                 task_id=group.task_id,
                 outcome=finished.outcome,
@@ -116,21 +149,62 @@ class GroupFinalizer:
                 excluded_sessions=tuple(s.name for s in finished.excluded),
                 finalize_time=finished.finalize_time,
             )
-            group.cursor = result.cursor
-            self.feed.publish(result)
-            if finished.origin is not None:
-                stream, request_number = finished.origin
-                stream.deliver(request_number, result)
-            for listener in self.listeners:
-                listener(result, group)
+            if self.journal is None:
+                self._publish(result, finished)
+            else:
+                self.journal.append(
+                    GroupFinalized(
+                        group.seq,
+                        result,
+                        tuple(s.index for s in finished.counted),
+                        tuple(s.index for s in finished.excluded),
+                    )
+                )
+                self._unpublished.append((result, finished))
+                self._journaled += 1
             results.append(result)
+        if self._unpublished:
+            self._wake.set()  # the run loop waits for durability and publishes them
         return results
 
+    async def flush(self) -> list[GroupResult]:
+        """Reduces everything queued, waits until every result journaled so far is durable,
+        and publishes them in cursor order; returns the results this call reduced.
+
+        Safe to run concurrently (the run loop and a shutdown, say): each caller publishes
+        what its own wait covered, and a result is published once."""
+        results = self.drain()
+        if self.journal is not None and self._published < self._journaled:
+            target = self._journaled
+            await self.journal.commit()
+            while self._published < target:
+                result, finished = self._unpublished.popleft()
+                self._published += 1
+                self._publish(result, finished)
+        return results
+
+    def _publish(self, result: GroupResult, finished: FinishedGroup) -> None:
+        finished.group.cursor = result.cursor
+        self.feed.publish(result)
+        if finished.origin is not None:
+            stream, request_number = finished.origin
+            stream.deliver(request_number, result)
+        for listener in self.listeners:
+            listener(result, finished.group)
+
     async def run(self) -> None:
-        """Reduces queued groups every ``window_s`` until cancelled."""
+        """Reduces queued groups every ``window_s`` until cancelled, or until the journal
+        fails (nothing can be published any more; the server is stopping)."""
         while True:
             await self._wake.wait()
             self._wake.clear()
             if len(self._pending) < self.max_batch and self.window_s > 0:
                 await asyncio.sleep(self.window_s)
-            self.drain()
+            try:
+                await self.flush()
+            except Unavailable as error:
+                log.error(
+                    "results cannot be made durable; publication stopped",
+                    extra={"event": "finalizer_stopped", "error": error.message},
+                )
+                return

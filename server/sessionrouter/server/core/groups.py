@@ -143,6 +143,10 @@ class GroupLedger:
         self._next_seq += 1
         return seq
 
+    def skip_seqs_below(self, seq: int) -> None:
+        """Never hands out a seq below ``seq`` (a journal used them already)."""
+        self._next_seq = max(self._next_seq, seq)
+
     def find(self, group_id: str) -> GroupRecord | None:
         return self._groups.get(group_id)
 

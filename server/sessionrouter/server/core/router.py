@@ -4,6 +4,11 @@ Each public method is synchronous and runs to completion without awaiting, so on
 event loop it is atomic: dozens of clients joining one group at the same moment are simply
 served one after the other, and the group-size, overflow and distinct-worker rules hold without
 locks. Nothing here imports grpc or protobuf.
+
+With a journal, every change is also appended to it as an event (``core.events``), at the
+point where the change is final (after placement succeeded, so an all-or-none StartGroup that
+fails leaves no trace). Appending does not wait: the servicer awaits the journal's commit
+before it replies. ``restore`` rebuilds the state from what a journal read back.
 """
 
 from __future__ import annotations
@@ -24,7 +29,19 @@ from sessionrouter.server.core.errors import (
     Unavailable,
 )
 from sessionrouter.server.core.estimators import EstimatorParams, validate_params
-from sessionrouter.server.core.feed import GroupFeed, GroupOutcome
+from sessionrouter.server.core.events import (
+    GroupCreated,
+    GroupRow,
+    JournalSink,
+    RecoveredState,
+    RequestSaved,
+    SessionAborted,
+    SessionLost,
+    SessionStarted,
+    WorkerRemoved,
+    WorkerSaved,
+)
+from sessionrouter.server.core.feed import GroupFeed, GroupOutcome, GroupResult
 from sessionrouter.server.core.finalizer import FinishedGroup, GroupFinalizer
 from sessionrouter.server.core.groups import (
     GroupLedger,
@@ -137,10 +154,32 @@ class StartedGroup:
     replayed: bool
 
 
+@dataclass(frozen=True, slots=True)
+class RestoreSummary:
+    """What a restore rebuilt, for the ``recovered`` log line."""
+
+    workers: int
+    groups_open: int
+    groups_finished: int
+    sessions: int
+    open_rewards: int
+    """Rewards held by groups still open (waiting for more members or rewards)."""
+    requests: int
+    feed_cursor: int
+    finalized_on_restore: int
+    """Groups the journal held open although nothing was left to wait for (the process died
+    between their last reward and their finalization): finalized now, exactly once."""
+
+
 class SessionRouter:
     """Workers, placement, groups, rewards and deadlines, over one in-memory state."""
 
-    def __init__(self, settings: RouterSettings | None = None, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        settings: RouterSettings | None = None,
+        clock: Clock | None = None,
+        journal: JournalSink | None = None,
+    ) -> None:
         self.settings = settings or RouterSettings()
         validate_params(self.settings.estimator)
         self.clock: Clock = clock or SystemClock()
@@ -148,8 +187,10 @@ class SessionRouter:
         self.workers.on_worker_lost = self._on_worker_lost
         self.groups = GroupLedger(self.settings.finished_group_retention)
         self.feed = GroupFeed(self.settings.feed_retention)
+        self.journal = journal
+        """Where changes are appended as events; None keeps the router in memory only."""
         self.finalizer = GroupFinalizer(
-            self.feed, self.settings.reducer_window_s, self.settings.reducer_max_batch
+            self.feed, self.settings.reducer_window_s, self.settings.reducer_max_batch, journal
         )
         self._deadlines: list[tuple[float, int, str]] = []
         self.stats = RouterStats()
@@ -164,6 +205,7 @@ class SessionRouter:
         worker, created = self.workers.register(
             worker_id, address, capacity, labels, self.clock.monotonic(), self.clock.wall()
         )
+        self._journal_worker(worker)
         log.info(
             "worker %s",
             "registered" if created else "re-registered",
@@ -188,6 +230,7 @@ class SessionRouter:
 
     def drain_worker(self, worker_id: str, resume: bool) -> WorkerRecord:
         worker = self.workers.set_draining(worker_id, not resume)
+        self._journal_worker(worker)
         log.info(
             "worker %s",
             "resumed" if resume else "draining",
@@ -197,17 +240,35 @@ class SessionRouter:
 
     def deregister_worker(self, worker_id: str) -> tuple[WorkerRecord, int]:
         worker, lost = self.workers.deregister(worker_id)
+        if self.journal is not None:
+            self.journal.append(WorkerRemoved(worker_id))
         log.info(
             "worker deregistered",
             extra={"event": "worker_deregistered", "worker_id": worker_id, "lost_sessions": lost},
         )
         return worker, lost
 
+    def _journal_worker(self, worker: WorkerRecord) -> None:
+        if self.journal is not None:
+            self.journal.append(
+                WorkerSaved(
+                    worker.worker_id,
+                    worker.address,
+                    worker.capacity,
+                    worker.labels,
+                    worker.draining,
+                    self.clock.wall(),
+                )
+            )
+
     def _on_worker_lost(self, worker: WorkerRecord, sessions: set[SessionKey]) -> None:
         for group_id, index in sessions:
+            group = self.groups.find(group_id)
             session = self.groups.find_session(group_id, index)
-            if session is not None and session.state is SessionState.OPEN:
+            if group is not None and session is not None and session.state is SessionState.OPEN:
                 session.worker_lost = True
+                if self.journal is not None:
+                    self.journal.append(SessionLost(group.seq, index))
         log.warning(
             "worker lost",
             extra={
@@ -258,6 +319,12 @@ class SessionRouter:
             self.groups.add_request(
                 request_id, RequestRecord(group.group_id, session.index, fingerprint)
             )
+        if self.journal is not None:
+            if created:
+                self._journal_group(group)
+            self._journal_session(group, session)
+            if request_id:
+                self.journal.append(RequestSaved(request_id, group.seq, session.index, fingerprint))
         return StartedSession(session, group, created, False)
 
     def start_group(self, cmd: StartGroupCommand) -> StartedGroup:
@@ -294,7 +361,49 @@ class SessionRouter:
         self._add_group(group)
         if request_id:
             self.groups.add_request(request_id, RequestRecord(group.group_id, None, fingerprint))
+        if self.journal is not None:
+            self._journal_group(group)
+            for session in group.members:
+                self._journal_session(group, session)
+            if request_id:
+                self.journal.append(RequestSaved(request_id, group.seq, None, fingerprint))
         return StartedGroup(group, any(s.shared_worker for s in group.members), False)
+
+    def _journal_group(self, group: GroupRecord) -> None:
+        assert self.journal is not None
+        settings = group.settings
+        estimator = settings.estimator
+        self.journal.append(
+            GroupCreated(
+                group.seq,
+                group.group_id,
+                group.task_id,
+                group.size,
+                estimator.name,
+                estimator.eps,
+                estimator.ddof,
+                estimator.batch_std,
+                settings.deadline_s,
+                settings.min_members,
+                group.create_time,
+                group.deadline_wall,
+            )
+        )
+
+    def _journal_session(self, group: GroupRecord, session: SessionRecord) -> None:
+        assert self.journal is not None
+        self.journal.append(
+            SessionStarted(
+                group.seq,
+                session.index,
+                session.worker_id,
+                session.worker_address,
+                session.request_id,
+                session.metadata,
+                session.create_time,
+                session.shared_worker,
+            )
+        )
 
     def _replay(self, request_id: str, fingerprint: tuple[object, ...]) -> RequestRecord | None:
         record = self.groups.find_request(request_id)
@@ -485,6 +594,8 @@ class SessionRouter:
             )
         session.state = SessionState.ABORTED
         group.aborted += 1
+        if self.journal is not None:
+            self.journal.append(SessionAborted(group.seq, session.index))
         self.workers.release_session(session.worker_id, session.key)
         log.info(
             "session aborted", extra={"event": "session_aborted", "session": name, "reason": reason}
@@ -542,6 +653,8 @@ class SessionRouter:
         session.reward = float(reward)
         session.state = SessionState.REWARDED
         group.rewarded += 1
+        if self.journal is not None:
+            self.journal.reward(group.seq, session.index, session.reward)
         self.workers.release_session(session.worker_id, session.key)
         if group.settled:
             self._finish(group, origin)
@@ -593,3 +706,114 @@ class SessionRouter:
                 "group_size": group.size,
             },
         )
+
+    # -- recovery --------------------------------------------------------------------------
+
+    def restore(self, state: RecoveredState) -> RestoreSummary:
+        """Rebuilds an empty router from what a journal read back, before it serves.
+
+        - Workers come back unhealthy (and keep their drain state) until they heartbeat or
+          register again; their open sessions hold their slots meanwhile.
+        - Groups keep their members, rewards and request ids; deadlines, stored as wall
+          time, are converted to this process's monotonic clock, so they keep counting
+          across the restart (a deadline that passed while the router was down fires at
+          the next expiry tick).
+        - Finalized groups go back on the feed, so a subscriber resumes by cursor and new
+          cursors continue after the last one; the newest ``finished_group_retention`` of
+          them also back into the ledger (GetGroup, replays), as before the restart.
+        - An open group with nothing left to wait for is finalized now: the previous process
+          died between its last reward (or abort) and its finalization.
+        """
+        if len(self.groups) or len(self.workers) or self.feed.last_cursor:
+            raise RuntimeError("restore needs an empty router")
+        now, wall = self.clock.monotonic(), self.clock.wall()
+        for w in state.workers:
+            self.workers.restore(
+                w.worker_id, w.address, w.capacity, w.labels, w.draining, now, w.seen_wall
+            )
+        finished = sorted(
+            (row for row in state.groups if row.result is not None),
+            key=lambda row: row.result.cursor if row.result is not None else 0,
+        )
+        retention = self.groups.finished_retention
+        retained = finished[len(finished) - retention :] if retention < len(finished) else finished
+        in_ledger = {id(row) for row in retained}
+        # An id can be reused once its old group left the ledger: the newest group wins.
+        newest: dict[str, GroupRow] = {}
+        for row in state.groups:
+            if row.result is None or id(row) in in_ledger:
+                newest[row.created.group_id] = row
+        by_seq: dict[int, GroupRecord] = {}
+        sessions = open_rewards = 0
+        for row in state.groups:
+            if newest.get(row.created.group_id) is not row:
+                continue
+            group = self._restored_group(row, now, wall)
+            by_seq[group.seq] = group
+            self.groups.add_group(group)
+            sessions += len(group.members)
+            open_rewards += group.rewarded
+            if group.state is GroupState.OPEN:
+                heapq.heappush(self._deadlines, (group.deadline, group.seq, group.group_id))
+        for row in retained:
+            restored = by_seq.get(row.created.seq)
+            if restored is not None:
+                self.groups.mark_finished(restored)
+        requests = 0
+        for saved in state.requests:
+            owner = by_seq.get(saved.group_seq)
+            if owner is not None:
+                self.groups.add_request(
+                    saved.request_id, RequestRecord(owner.group_id, saved.idx, saved.fingerprint)
+                )
+                requests += 1
+        results: list[GroupResult] = [row.result for row in finished if row.result is not None]
+        self.feed.restore(results, state.last_cursor)
+        self.groups.skip_seqs_below(state.next_seq)
+        settled = [g for g in by_seq.values() if g.state is GroupState.OPEN and g.settled]
+        for group in settled:
+            self._finish(group, None)
+        return RestoreSummary(
+            workers=len(state.workers),
+            groups_open=self.groups.open_groups,
+            groups_finished=len(finished),
+            sessions=sessions,
+            open_rewards=open_rewards,
+            requests=requests,
+            feed_cursor=self.feed.last_cursor,
+            finalized_on_restore=len(settled),
+        )
+
+    def _restored_group(self, row: GroupRow, now: float, wall: float) -> GroupRecord:
+        c = row.created
+        group = GroupRecord(
+            group_id=c.group_id,
+            task_id=c.task_id,
+            size=c.size,
+            settings=GroupSettings(
+                EstimatorParams(c.estimator, c.eps, c.ddof, c.batch_std),
+                c.deadline_s,
+                c.min_members,
+            ),
+            create_time=c.create_time,
+            deadline=now + (c.deadline_wall - wall),
+            deadline_wall=c.deadline_wall,
+            seq=c.seq,
+            state=GroupState(row.state),
+            cursor=row.result.cursor if row.result is not None else 0,
+        )
+        group.members = row.members
+        if group.state is not GroupState.OPEN:
+            return group  # final: only lookups will read it
+        per_worker = group.members_per_worker
+        for session in group.members:
+            per_worker[session.worker_id] = per_worker.get(session.worker_id, 0) + 1
+            if session.state is SessionState.REWARDED:
+                group.rewarded += 1
+            elif session.state is SessionState.ABORTED:
+                group.aborted += 1
+            else:
+                worker = self.workers.find(session.worker_id)
+                if worker is not None:
+                    self.workers.add_session(worker, session.key)
+        return group

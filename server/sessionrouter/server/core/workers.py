@@ -46,6 +46,10 @@ class WorkerRecord:
     """The same moment as Unix seconds, for display."""
     open_sessions: set[SessionKey] = field(default_factory=set)
     version: int = 0
+    awaiting_heartbeat: bool = False
+    """Restored from a journal and not heard from since: unhealthy, and its open sessions are
+    marked lost if no heartbeat comes within the timeout (they may well be running: a router
+    restart says nothing about the worker)."""
 
     @property
     def load(self) -> float:
@@ -146,10 +150,38 @@ class WorkerRegistry:
             worker.capacity = capacity
             worker.labels = labels
         worker.healthy = True
+        worker.awaiting_heartbeat = False
         worker.last_heartbeat = now
         worker.last_heartbeat_wall = now_wall
         self._changed(worker, was_eligible)
         return worker, created
+
+    def restore(
+        self,
+        worker_id: str,
+        address: str,
+        capacity: int,
+        labels: Mapping[str, str],
+        draining: bool,
+        now: float,
+        seen_wall: float,
+    ) -> WorkerRecord:
+        """Adds a worker read back from a journal: unhealthy until it heartbeats (or
+        registers) again, so that no session goes to a worker that may be gone; its drain
+        state is kept. ``now`` (monotonic seconds) starts its heartbeat timeout."""
+        worker = WorkerRecord(
+            worker_id,
+            address,
+            capacity,
+            dict(labels),
+            healthy=False,
+            draining=draining,
+            last_heartbeat=now,
+            last_heartbeat_wall=seen_wall,
+            awaiting_heartbeat=True,
+        )
+        self._workers[worker_id] = worker
+        return worker
 
     def heartbeat(self, worker_id: str, now: float, now_wall: float) -> tuple[WorkerRecord, bool]:
         """Records a heartbeat; returns (worker, recovered) where recovered means it had
@@ -158,6 +190,7 @@ class WorkerRegistry:
         recovered = not worker.healthy
         worker.last_heartbeat = now
         worker.last_heartbeat_wall = now_wall
+        worker.awaiting_heartbeat = False
         if recovered:
             was_eligible = worker.eligible
             worker.healthy = True
@@ -187,7 +220,9 @@ class WorkerRegistry:
 
     def expire(self, now: float) -> list[WorkerRecord]:
         """Marks unhealthy every healthy worker whose last heartbeat is older than the
-        timeout; returns those workers. O(W), called a few times per timeout."""
+        timeout; returns those workers. A worker restored from a journal that stayed silent
+        for the timeout has its open sessions marked lost (it is unhealthy already). O(W),
+        called a few times per timeout."""
         expired = [
             w
             for w in self._workers.values()
@@ -199,6 +234,11 @@ class WorkerRegistry:
             self._changed(worker, was_eligible)
             if worker.open_sessions and self.on_worker_lost is not None:
                 self.on_worker_lost(worker, set(worker.open_sessions))
+        for worker in self._workers.values():
+            if worker.awaiting_heartbeat and now - worker.last_heartbeat > self.heartbeat_timeout_s:
+                worker.awaiting_heartbeat = False
+                if worker.open_sessions and self.on_worker_lost is not None:
+                    self.on_worker_lost(worker, set(worker.open_sessions))
         return expired
 
     def add_session(self, worker: WorkerRecord, key: SessionKey) -> None:
