@@ -57,8 +57,8 @@ test: venv proto-check lint lint-proto interop-deps  ## everything CI runs: stub
 test-fast: venv  ## only the pytest suite
 	$(VENV)/bin/pytest
 
-run: venv  ## start the router on $(ADDR) with a demo pool of 8 workers
-	$(VENV)/bin/sessionrouter serve --listen $(ADDR) --demo-workers 8 --log-format text
+run: venv  ## start the router on $(ADDR) with a demo pool of 8 workers, journal in ./state
+	$(VENV)/bin/sessionrouter serve --listen $(ADDR) --demo-workers 8 --state-dir state --log-format text
 
 demo: venv  ## end-to-end online-RL simulation against a router on $(ADDR) (make run)
 	$(VENV)/bin/python scripts/demo.py --address $(ADDR)
