@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from sessionrouter.server.core import journal as journal_module
 from sessionrouter.server.core.clock import ManualClock
 from sessionrouter.server.core.errors import InvalidArgument, Unavailable
 from sessionrouter.server.core.events import Event, RecoveredState, RewardSaved, WorkerSaved
@@ -477,3 +478,37 @@ def test_a_log_row_that_names_code_is_refused_not_run(tmp_path: Path) -> None:
     con.close()
     with pytest.raises(JournalError, match=r"log cannot be read back.*builtins\.print"):
         SqliteJournal(tmp_path)
+
+
+async def test_folds_carry_rewards_of_open_groups_over_and_lose_or_count_nothing_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(journal_module, "FOLD_EVENTS", 4)  # fold after every batch
+    journal = SqliteJournal(tmp_path)
+    router = SessionRouter(SETTINGS, ManualClock(), journal)
+    journal.start()
+    router.register_worker("w", "10.0.0.1:1", 100, {})
+    for g in range(6):
+        router.start_group(StartGroupCommand("t", 3, group_id=f"g{g}"))
+    await journal.commit()
+    # Members 0 and 1 of every group, then member 2 of g0..g2 only, one batch each: the
+    # first rewards are carried over by one fold and written by the next.
+    for member, groups in ((0, range(6)), (1, range(6)), (2, range(3))):
+        router.submit_rewards([(f"groups/g{g}/sessions/{member}", g + member / 10) for g in groups])
+        await journal.commit()
+    router.finalizer.drain()  # g0..g2 finalized: their carried rewards are dropped
+    await journal.commit()
+    assert journal.events == 1 + 6 + 18 + 15 + 3
+    await journal.close()
+    assert log_rows(tmp_path) == 0  # a clean stop leaves nothing to fold
+
+    reopened = SqliteJournal(tmp_path)
+    assert reopened.events == 43
+    state = reopened.load()
+    by_id = {row.created.group_id: row for row in state.groups}
+    for g in range(6):
+        members = by_id[f"g{g}"].members
+        expected = [g, g + 0.1, g + 0.2] if g < 3 else [g, g + 0.1, None]
+        assert [m.reward for m in members] == expected, g
+        assert (by_id[f"g{g}"].result is not None) == (g < 3)
+    reopened.close_now()

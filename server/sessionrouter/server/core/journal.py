@@ -279,6 +279,8 @@ class SqliteJournal:
         """What the ``log`` rows not folded yet hold (writer thread only)."""
         self._last_log_id = 0
         self._fold_log_left_by_a_crash()
+        self._durable_events = self._events
+        """Events durable so far, folded or in the log (only the writer changes it)."""
         # Loop side.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending = _Batch()
@@ -590,7 +592,7 @@ class SqliteJournal:
     def events(self) -> int:
         """Events made durable over the journal's life: folded (counted in ``meta``, which
         compaction keeps) or still in the log."""
-        return self._events + len(self._unfolded) - self._unfolded.carried
+        return self._durable_events
 
     def _dispatch(self) -> None:
         assert self._loop is not None
@@ -693,12 +695,12 @@ class SqliteJournal:
                     return
             if len(self._unfolded) >= FOLD_EVENTS or (idle and self._unfolded):
                 try:
-                    self._fold()
+                    self._fold(carry=not idle)
                 except BaseException as exc:  # the batches are safe in the log; stop anyway
                     self._notify(None, exc)
                     return
         with contextlib.suppress(BaseException):  # a clean stop leaves an empty log
-            self._fold()
+            self._fold(carry=False)
 
     def _notify(self, batch: asyncio.Future[None] | None, error: BaseException | None) -> bool:
         assert self._loop is not None
@@ -716,16 +718,20 @@ class SqliteJournal:
         cursor = self._con.execute("INSERT INTO log (events) VALUES (?)", (batch.encode(),))
         self._last_log_id = cursor.lastrowid or self._last_log_id
         self._unfolded.extend(batch)
+        self._durable_events += len(batch)
         self.batches += 1
 
-    def _fold(self) -> None:
+    def _fold(self, carry: bool) -> None:
+        """Folds the log into the tables; under load (``carry``) the rewards of groups still
+        open are carried over to the next fold (see ``write``), when idle or stopping not."""
         if self._unfolded:
             folded, self._unfolded = self._unfolded, _Batch()
             self._unfolded = self.write(
                 folded.events,
                 folded.rewards(),
                 fold_log_upto=self._last_log_id,
-                carry_from=folded.carried,
+                carried_before=folded.carried,
+                carry=carry,
             )
         self._compact_if_due()
 
@@ -744,6 +750,7 @@ class SqliteJournal:
             raise RuntimeError("the writer thread owns the journal")
         pending, self._pending = self._pending, _Batch()
         self.write(pending.events, pending.rewards())
+        self._durable_events += len(pending)
         self.batches += 1
         self._compact_if_due()
 
@@ -756,7 +763,8 @@ class SqliteJournal:
         events: Sequence[Event | _Finalized],
         rewards: tuple[list[int], list[int], list[float]] = ([], [], []),
         fold_log_upto: int = 0,
-        carry_from: int | None = None,
+        carried_before: int = 0,
+        carry: bool = False,
     ) -> _Batch:
         """Applies events, and rewards given as columns (group seqs, member indices,
         values), to the tables in one transaction (all or nothing), deleting the ``log`` rows
@@ -767,12 +775,12 @@ class SqliteJournal:
         each column, which is the order the events had. A reward of a group finalized in the
         same call is not written to its session row at all: the result holds it.
 
-        With ``carry_from`` (a fold by the writer), rewards of groups still open are not
-        written to their rows yet either: those from index ``carry_from`` on are carried
-        over, logged again as one ``log`` row in the same transaction and returned, because
-        their group is usually finalized a moment later (the finalizer trails the rewards by
-        up to a fold's worth of events under load) and the next fold then drops them. A
-        reward carried once already (index below ``carry_from``) goes to its row."""
+        With ``carry`` (a fold by the writer under load), rewards of groups still open are
+        not written to their rows yet either: they are carried over, logged again as one
+        ``log`` row in the same transaction and returned, because their group is usually
+        finalized a moment later (the finalizer trails the rewards by up to a fold's worth
+        of events under load) and the next fold then drops them. The first
+        ``carried_before`` rewards were carried once already: those go to their rows."""
         new_groups: dict[int, list[Any]] = {}
         finals: dict[int, tuple[Any, ...]] = {}
         new_sessions: dict[tuple[int, int], list[Any]] = {}
@@ -837,8 +845,10 @@ class SqliteJournal:
                 workers[ev.worker_id] = None
             else:
                 raise TypeError(f"not a journal event: {ev!r}")
-        updates, carried = _fold_rewards(seqs, idxs, values, new_sessions, finals, carry_from)
-        fresh = len(seqs) - (carry_from or 0)
+        updates, carried = _fold_rewards(
+            seqs, idxs, values, new_sessions, finals, carried_before if carry else None
+        )
+        fresh = len(seqs) - carried_before
         con = self._con
         bulk = self._bulk
         con.execute("BEGIN IMMEDIATE")
