@@ -31,6 +31,8 @@ NODE_STAMP := $(NODE_CLIENT)/node_modules/.stamp
 JAVA_JAR := $(JAVA_CLIENT)/target/interop-client.jar
 JAVA_SOURCES := $(shell find $(JAVA_CLIENT)/src -name '*.java' 2>/dev/null)
 
+
+.PHONY: proto-release
 .PHONY: interop-deps stubs stubs-go stubs-java interop-go interop-node interop-java ghz \
 	loadtest loadtest-smoke lint-proto-breaking clean-polyglot
 
@@ -122,9 +124,18 @@ loadtest-smoke: venv ghz  ## a few seconds of the same (tests/interop runs it to
 
 # --- proto compatibility ----------------------------------------------------------------------
 
-lint-proto-breaking: $(BUF)  ## buf breaking: protos/ against the main branch
-	$(BUF) breaking --against '.git#branch=main'
-	@echo "lint-proto-breaking: no breaking change against main"
+# The released contract is kept as a buf image next to the protos, so the check works in any
+# clone (CI clones main, where comparing against main would compare a thing with itself). A
+# deliberate break means regenerating it with `make proto-release`, in the same commit.
+RELEASED_IMAGE := protos/released/sessionrouter-v1.binpb
+
+lint-proto-breaking: $(BUF)  ## buf breaking: protos/ against the released contract image
+	$(BUF) breaking --against $(RELEASED_IMAGE)
+	@echo "lint-proto-breaking: no breaking change against $(RELEASED_IMAGE)"
+
+proto-release: $(BUF)  ## record protos/ as the released contract (a deliberate, reviewed step)
+	@mkdir -p $(dir $(RELEASED_IMAGE))
+	$(BUF) build -o $(RELEASED_IMAGE)
 
 clean-polyglot:  ## remove the built clients (not the toolchain caches)
 	rm -rf $(GO_CLIENT)/gen $(GO_CLIENT)/bin $(NODE_CLIENT)/node_modules $(JAVA_CLIENT)/target

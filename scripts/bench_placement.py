@@ -104,16 +104,17 @@ async def _grpc_run(
 ) -> tuple[float, float]:
     async with grpc.aio.insecure_channel(address) as channel:
         workers = wpb_grpc.WorkerServiceStub(channel)
-        await asyncio.gather(
-            *(
-                workers.RegisterWorker(
-                    wpb.RegisterWorkerRequest(
-                        worker_id=f"w{i}", address=f"10.0.0.{i % 250}:{i}", capacity=1_000_000
+        for first in range(0, pool, 256):  # in chunks: thousands of calls at once are refused
+            await asyncio.gather(
+                *(
+                    workers.RegisterWorker(
+                        wpb.RegisterWorkerRequest(
+                            worker_id=f"w{i}", address=f"10.0.0.{i % 250}:{i}", capacity=1_000_000
+                        )
                     )
+                    for i in range(first, min(first + 256, pool))
                 )
-                for i in range(pool)
             )
-        )
         stub = spb_grpc.SessionServiceStub(channel)
         latencies: list[float] = []
         queue = iter(range(sessions))
