@@ -203,7 +203,8 @@ def test_group_result_arrays_are_float64_copies() -> None:
 
 def test_start_session_request_optional_group_id() -> None:
     def build(group_id: str | None) -> session_service_pb2.StartSessionRequest:
-        return _convert.start_session_request_to_proto(
+        return _convert.start_request_to_proto(
+            session_service_pb2.StartSessionRequest,
             task_id="t",
             group_id=group_id,
             group_size=0,
@@ -222,7 +223,8 @@ def test_start_session_request_optional_group_id() -> None:
 
 
 def test_start_group_request_carries_everything() -> None:
-    msg = _convert.start_group_request_to_proto(
+    msg = _convert.start_request_to_proto(
+        session_service_pb2.StartGroupRequest,
         task_id="t",
         group_id="g",
         group_size=8,

@@ -254,7 +254,8 @@ class SessionRouterClient:
         never takes a second slot. ``metadata`` is kept with the session (not sent as gRPC
         headers); ``options`` apply when this call creates the group.
         """
-        request = _convert.start_session_request_to_proto(
+        request = _convert.start_request_to_proto(
+            spb.StartSessionRequest,
             task_id=task_id,
             group_id=group_id,
             group_size=group_size,
@@ -283,7 +284,8 @@ class SessionRouterClient:
         ``result.sessions`` lists the members in index order, each with its worker.
         ``request_id`` works as in ``start_session``.
         """
-        request = _convert.start_group_request_to_proto(
+        request = _convert.start_request_to_proto(
+            spb.StartGroupRequest,
             task_id=task_id,
             group_id=group_id,
             group_size=group_size,

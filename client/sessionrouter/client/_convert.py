@@ -175,7 +175,13 @@ def group_result_from_proto(msg: resources_pb2.GroupResult) -> types.GroupResult
     )
 
 
-def start_session_request_to_proto(
+_StartRequest = TypeVar(
+    "_StartRequest", session_service_pb2.StartSessionRequest, session_service_pb2.StartGroupRequest
+)
+
+
+def start_request_to_proto(
+    cls: type[_StartRequest],
     *,
     task_id: str,
     group_id: str | None,
@@ -184,8 +190,9 @@ def start_session_request_to_proto(
     metadata: Mapping[str, str] | None,
     options: types.GroupOptions | None,
     placement: types.PlacementMode | None,
-) -> session_service_pb2.StartSessionRequest:
-    msg = session_service_pb2.StartSessionRequest(
+) -> _StartRequest:
+    """A StartSessionRequest or StartGroupRequest: the two carry the same fields."""
+    msg = cls(
         task_id=task_id,
         group_size=group_size,
         request_id=request_id,
@@ -211,32 +218,6 @@ def start_session_result_from_proto(
         shared_worker=msg.shared_worker,
         replayed=msg.replayed,
     )
-
-
-def start_group_request_to_proto(
-    *,
-    task_id: str,
-    group_id: str | None,
-    group_size: int,
-    request_id: str,
-    metadata: Mapping[str, str] | None,
-    options: types.GroupOptions | None,
-    placement: types.PlacementMode | None,
-) -> session_service_pb2.StartGroupRequest:
-    msg = session_service_pb2.StartGroupRequest(
-        task_id=task_id,
-        group_size=group_size,
-        request_id=request_id,
-        metadata=dict(metadata or {}),
-        placement_mode=session_service_pb2.PlacementMode.ValueType(
-            placement.value if placement is not None else 0
-        ),
-    )
-    if group_id is not None:
-        msg.group_id = group_id
-    if options is not None:
-        msg.group_options.CopyFrom(group_options_to_proto(options))
-    return msg
 
 
 def start_group_result_from_proto(

@@ -171,6 +171,19 @@ class RestoreSummary:
     between their last reward and their finalization): finalized now, exactly once."""
 
 
+def _check_start(
+    cmd: StartSessionCommand | StartGroupCommand, min_group_size: int
+) -> tuple[str, str, dict[str, str]]:
+    """Checks the fields both start commands share; returns (task_id, request_id, metadata)."""
+    task_id = check_id("task_id", cmd.task_id)
+    request_id = check_optional_id("request_id", cmd.request_id)
+    if cmd.group_id is not None:
+        check_id("group_id", cmd.group_id)
+    metadata = check_string_map("metadata", cmd.metadata, METADATA_VALUE_MAX_LEN)
+    check_range("group_size", cmd.group_size, min_group_size, MAX_GROUP_SIZE)
+    return task_id, request_id, metadata
+
+
 class SessionRouter:
     """Workers, placement, groups, rewards and deadlines, over one in-memory state."""
 
@@ -282,12 +295,7 @@ class SessionRouter:
 
     def start_session(self, cmd: StartSessionCommand) -> StartedSession:
         """Places one session, creating or joining its group (see the proto for rules)."""
-        task_id = check_id("task_id", cmd.task_id)
-        request_id = check_optional_id("request_id", cmd.request_id)
-        if cmd.group_id is not None:
-            check_id("group_id", cmd.group_id)
-        metadata = check_string_map("metadata", cmd.metadata, METADATA_VALUE_MAX_LEN)
-        check_range("group_size", cmd.group_size, 0, MAX_GROUP_SIZE)
+        task_id, request_id, metadata = _check_start(cmd, min_group_size=0)
         fingerprint = ("session", task_id, cmd.group_id, cmd.group_size)
         if request_id:
             replay = self._replay(request_id, fingerprint)
@@ -329,12 +337,7 @@ class SessionRouter:
 
     def start_group(self, cmd: StartGroupCommand) -> StartedGroup:
         """Creates a group and places all its members at once: all or none."""
-        task_id = check_id("task_id", cmd.task_id)
-        request_id = check_optional_id("request_id", cmd.request_id)
-        if cmd.group_id is not None:
-            check_id("group_id", cmd.group_id)
-        metadata = check_string_map("metadata", cmd.metadata, METADATA_VALUE_MAX_LEN)
-        check_range("group_size", cmd.group_size, 1, MAX_GROUP_SIZE)
+        task_id, request_id, metadata = _check_start(cmd, min_group_size=1)
         fingerprint = ("group", task_id, cmd.group_id, cmd.group_size)
         if request_id:
             replay = self._replay(request_id, fingerprint)
