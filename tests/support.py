@@ -7,6 +7,7 @@ the one ``add_insecure_port`` returned, never a port picked and released beforeh
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import grpc
@@ -16,6 +17,8 @@ from grpc_status import rpc_status
 from sessionrouter.server.app import RouterServer, ServerConfig, WorkerSpec
 from sessionrouter.server.core.clock import ManualClock
 from sessionrouter.server.core.router import RouterSettings
+from sessionrouter.v1 import resources_pb2 as pb
+from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
 from sessionrouter.v1 import worker_service_pb2_grpc as wpb_grpc
 
@@ -43,9 +46,11 @@ class Harness:
 async def start_harness(
     settings: RouterSettings | None = None,
     workers: tuple[WorkerSpec, ...] = (),
+    clock: ManualClock | None = None,
     **config: object,
 ) -> Harness:
-    clock = ManualClock()
+    """Starts a router on 127.0.0.1:0; ``config`` sets further ServerConfig fields."""
+    clock = clock or ManualClock()
     cfg = ServerConfig(
         listen="127.0.0.1:0",
         router=settings or RouterSettings(),
@@ -101,3 +106,17 @@ def details_of(error: grpc.aio.AioRpcError) -> StatusDetails:
         elif detail.Unpack(retry):
             delay = retry.retry_delay.ToNanoseconds() / 1e9
     return StatusDetails(error.code(), error.details() or "", reason, metadata, fields, delay)
+
+
+async def read_feed(h: Harness, after: int, count: int) -> list[pb.GroupResult]:
+    """The next ``count`` groups of SubscribeGroups after cursor ``after`` (5 s at most)."""
+    call = h.sessions.SubscribeGroups(spb.SubscribeGroupsRequest(after_cursor=after))
+    got: list[pb.GroupResult] = []
+    try:
+        while len(got) < count:
+            response = await asyncio.wait_for(call.read(), 5)
+            assert isinstance(response, spb.SubscribeGroupsResponse)
+            got += response.groups
+    finally:
+        call.cancel()
+    return got

@@ -27,10 +27,8 @@ from sessionrouter.server.core.journal import JOURNAL_FILE, JournalError, Sqlite
 from sessionrouter.server.core.router import RouterSettings
 from sessionrouter.v1 import resources_pb2 as pb
 from sessionrouter.v1 import session_service_pb2 as spb
-from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
 from sessionrouter.v1 import worker_service_pb2 as wpb
-from sessionrouter.v1 import worker_service_pb2_grpc as wpb_grpc
-from tests.support import Harness, details_of, stop_harness
+from tests.support import Harness, details_of, read_feed, start_harness, stop_harness
 
 SERVE = (sys.executable, "-m", "sessionrouter.server", "serve")
 
@@ -41,26 +39,8 @@ async def start_durable(
     settings: RouterSettings | None = None,
     workers: tuple[WorkerSpec, ...] = (),
 ) -> Harness:
-    cfg = ServerConfig(
-        listen="127.0.0.1:0",
-        router=settings or RouterSettings(),
-        workers=workers,
-        static_workers_heartbeat=False,
-        tick_s=3600.0,
-        grace_s=1.0,
-        journal=JournalConfig(str(state_dir)),
-    )
-    server = RouterServer(cfg, clock=clock)
-    port = await server.start()
-    address = f"127.0.0.1:{port}"
-    channel = grpc.aio.insecure_channel(address)
-    return Harness(
-        server,
-        clock,
-        address,
-        channel,
-        spb_grpc.SessionServiceStub(channel),
-        wpb_grpc.WorkerServiceStub(channel),
+    return await start_harness(
+        settings, workers, clock=clock, journal=JournalConfig(str(state_dir))
     )
 
 
@@ -108,19 +88,6 @@ def statuses(responses: list[spb.SubmitRewardsResponse]) -> list[int]:
 
 def group_results(responses: list[spb.SubmitRewardsResponse]) -> list[pb.GroupResult]:
     return [g for m in responses for g in m.group_results]
-
-
-async def read_feed(h: Harness, after: int, count: int) -> list[pb.GroupResult]:
-    call = h.sessions.SubscribeGroups(spb.SubscribeGroupsRequest(after_cursor=after))
-    got: list[pb.GroupResult] = []
-    try:
-        while len(got) < count:
-            response = await asyncio.wait_for(call.read(), 5)
-            assert isinstance(response, spb.SubscribeGroupsResponse)
-            got += response.groups
-    finally:
-        call.cancel()
-    return got
 
 
 async def test_groups_rewards_and_request_ids_survive_a_restart(tmp_path: Path) -> None:

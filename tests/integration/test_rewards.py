@@ -15,7 +15,7 @@ from sessionrouter.server.core.router import RouterSettings
 from sessionrouter.v1 import resources_pb2 as pb
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import worker_service_pb2 as wpb
-from tests.support import Harness, details_of, start_harness, stop_harness
+from tests.support import Harness, details_of, read_feed, start_harness, stop_harness
 
 S = spb  # short alias for statuses below
 
@@ -234,19 +234,6 @@ async def test_too_many_entries_in_one_request_ends_the_stream_clearly(harness: 
     assert details.reason == "TOO_MANY_ENTRIES"
 
 
-async def collect_feed(h: Harness, after: int, count: int) -> list[pb.GroupResult]:
-    call = h.sessions.SubscribeGroups(spb.SubscribeGroupsRequest(after_cursor=after))
-    got: list[pb.GroupResult] = []
-    try:
-        while len(got) < count:
-            response = await asyncio.wait_for(call.read(), 5)
-            assert isinstance(response, spb.SubscribeGroupsResponse)
-            got += response.groups
-    finally:
-        call.cancel()
-    return got
-
-
 async def test_subscription_resumes_from_a_cursor_without_loss_or_duplicates(
     harness: Harness,
 ) -> None:
@@ -255,12 +242,12 @@ async def test_subscription_resumes_from_a_cursor_without_loss_or_duplicates(
     stream = RewardClient(harness)
     for names in groups[:3]:
         await stream.send([(names[0], 1.0), (names[1], 0.0)])
-    first = await collect_feed(harness, 0, 3)
+    first = await read_feed(harness, 0, 3)
     assert [g.cursor for g in first] == [1, 2, 3]
     # The trainer disconnects after cursor 2; three more groups finish meanwhile.
     for names in groups[3:]:
         await stream.send([(names[0], 1.0), (names[1], 0.0)])
-    resumed = await collect_feed(harness, 2, 4)
+    resumed = await read_feed(harness, 2, 4)
     assert [g.cursor for g in resumed] == [3, 4, 5, 6]
     assert [g.group_id for g in resumed] == ["g2", "g3", "g4", "g5"]
     await stream.close()
@@ -322,7 +309,7 @@ async def test_deadline_finalizes_partial_group_with_enough_members(harness: Har
     harness.clock.advance(2)
     assert harness.expire() == 1
     harness.reduce()
-    (result,) = await collect_feed(harness, 0, 1)
+    (result,) = await read_feed(harness, 0, 1)
     assert result.outcome == pb.GROUP_OUTCOME_PARTIAL
     assert list(result.sessions) == names[:3]
     assert list(result.excluded_sessions) == [names[3]]
@@ -348,7 +335,7 @@ async def test_deadline_drops_group_with_too_few_members(harness: Harness) -> No
     harness.clock.advance(31)
     assert harness.expire() == 1
     harness.reduce()
-    (result,) = await collect_feed(harness, 0, 1)
+    (result,) = await read_feed(harness, 0, 1)
     assert result.outcome == pb.GROUP_OUTCOME_DROPPED
     assert list(result.advantages) == []
     assert len(result.excluded_sessions) == 3
@@ -382,7 +369,7 @@ async def test_group_on_a_lost_worker_can_still_finish(harness: Harness) -> None
     harness.clock.advance(601)
     harness.expire()
     harness.reduce()
-    (result,) = await collect_feed(harness, 0, 1)
+    (result,) = await read_feed(harness, 0, 1)
     assert result.outcome == pb.GROUP_OUTCOME_PARTIAL
     assert list(result.excluded_sessions) == [names[1]]
     assert result.degenerate  # one member: no baseline
