@@ -105,26 +105,28 @@ class GroupFinalizer:
         if not batch:
             return []
         self.batches += 1
-        reducible = [f for f in batch if f.counted]
+        # Each group's rewards become one float64 array, used both as the reducer's input
+        # and as the result's rewards.
+        rewards_of = [
+            np.fromiter(
+                (s.reward for s in f.counted if s.reward is not None),
+                dtype=np.float64,
+                count=len(f.counted),
+            )
+            for f in batch
+        ]
         reduced = iter(
             self.reducer.reduce(
                 [
-                    (
-                        [s.reward for s in f.counted if s.reward is not None],
-                        f.group.settings.estimator,
-                    )
-                    for f in reducible
+                    (rewards, f.group.settings.estimator)
+                    for f, rewards in zip(batch, rewards_of, strict=True)
+                    if f.counted
                 ]
             )
         )
         results = []
-        for finished in batch:
+        for finished, rewards in zip(batch, rewards_of, strict=True):
             group = finished.group
-            rewards = np.fromiter(
-                (s.reward for s in finished.counted if s.reward is not None),
-                dtype=np.float64,
-                count=len(finished.counted),
-            )
             if finished.counted:
                 stats = next(reduced)
                 mean, std, degenerate = stats.mean, stats.std, stats.degenerate
