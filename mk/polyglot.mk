@@ -1,9 +1,12 @@
 # Go, Node and Java interop clients, and ghz load tests. Included by the main Makefile, which
 # defines VENV, PY, TOOLS, BUF and PROTO_FILES.
 #
-# Everything is built from protos/ into gitignored places (clients/go/gen, clients/go/bin,
-# clients/node/node_modules, clients/java/target, .tools/bin) and guarded by stamp files, so a
-# second `make test` redoes nothing. Caches live where each toolchain keeps them (Go module and
+# The Go code generated from protos/ is committed as a Go module (gen/go, `make stubs-go`;
+# `make stubs-go-check` fails when it is stale). Everything else is built into gitignored
+# places (clients/go/bin, clients/node/gen, clients/node/node_modules, clients/java/target,
+# .tools/bin) and guarded by stamp files, so a second `make test` redoes nothing. Each
+# language's stubs come from its template, clients/{go,node,java}/buf.gen.yaml, the same file
+# the README tells that language's users to run. Caches live where each toolchain keeps them (Go module and
 # build caches, ~/.m2, ~/.npm).
 #
 # A missing toolchain (go, node/npm, java/mvn) does not stop `interop-deps`: the client of that
@@ -19,13 +22,13 @@ GO_CLIENT := clients/go
 NODE_CLIENT := clients/node
 JAVA_CLIENT := clients/java
 GHZ := $(TOOLS)/bin/ghz
-GHZ_HTML := $(TOOLS)/bin/ghz-html
 MVN_FLAGS := -q -B -ntp -Dstyle.color=never
 
 PROTOC_GEN_GO_STAMP := $(STAMPS)/protoc-gen-go-$(PROTOC_GEN_GO_VERSION)
 PROTOC_GEN_GO_GRPC_STAMP := $(STAMPS)/protoc-gen-go-grpc-$(PROTOC_GEN_GO_GRPC_VERSION)
 GHZ_STAMP := $(STAMPS)/ghz-$(GHZ_VERSION)
-GO_GEN_STAMP := $(GO_CLIENT)/gen/.stamp
+GO_MODULE := gen/go
+GO_MODULE_FILES := $(shell find $(GO_MODULE) -type f 2>/dev/null)
 GO_CLIENT_BIN := $(GO_CLIENT)/bin/interop-client
 NODE_STAMP := $(NODE_CLIENT)/node_modules/.stamp
 JAVA_JAR := $(JAVA_CLIENT)/target/interop-client.jar
@@ -33,7 +36,7 @@ JAVA_SOURCES := $(shell find $(JAVA_CLIENT)/src -name '*.java' 2>/dev/null)
 
 
 .PHONY: proto-release
-.PHONY: interop-deps stubs stubs-go stubs-java interop-go interop-node interop-java ghz \
+.PHONY: interop-deps stubs stubs-go stubs-go-check stubs-java interop-go interop-node interop-java ghz \
 	loadtest loadtest-smoke lint-proto-breaking clean-polyglot
 
 # --- pinned Go-built tools, one stamp per version ---------------------------------------------
@@ -50,21 +53,24 @@ $(GHZ_STAMP):
 	GOBIN=$(TOOLS)/bin go install github.com/bojand/ghz/cmd/ghz@$(GHZ_VERSION)
 	@mkdir -p $(STAMPS) && touch $@
 
-# ghz writes one format per run; ghz-html renders its JSON reports as its own HTML report.
-$(GHZ_HTML): scripts/ghz/htmlreport/main.go scripts/ghz/htmlreport/go.mod scripts/ghz/htmlreport/go.sum
-	cd scripts/ghz/htmlreport && go build -buildvcs=false -o $(GHZ_HTML) .
-
-ghz: $(GHZ_STAMP) $(GHZ_HTML)  ## install ghz (pinned) and ghz-html into .tools/bin
+ghz: $(GHZ_STAMP)  ## install ghz (pinned) into .tools/bin
 
 # --- stubs ------------------------------------------------------------------------------------
 
-$(GO_GEN_STAMP): $(PROTO_FILES) buf.yaml $(GO_CLIENT)/buf.gen.yaml $(BUF) \
-		$(PROTOC_GEN_GO_STAMP) $(PROTOC_GEN_GO_GRPC_STAMP)
-	rm -rf $(GO_CLIENT)/gen
-	PATH="$(TOOLS)/bin:$$PATH" $(BUF) generate --template $(GO_CLIENT)/buf.gen.yaml
-	touch $@
+# Go: generated into the committed module gen/go. `buf generate -o DIR` writes the same tree
+# under DIR, which is how the check regenerates without touching the work tree.
+GO_GENERATE = PATH="$(TOOLS)/bin:$$PATH" $(BUF) generate --template $(GO_CLIENT)/buf.gen.yaml
 
-stubs-go: $(GO_GEN_STAMP)
+stubs-go: $(BUF) $(PROTOC_GEN_GO_STAMP) $(PROTOC_GEN_GO_GRPC_STAMP)  ## regenerate the committed Go module gen/go
+	rm -rf $(GO_MODULE)/sessionrouter
+	$(GO_GENERATE)
+
+stubs-go-check: $(BUF) $(PROTOC_GEN_GO_STAMP) $(PROTOC_GEN_GO_GRPC_STAMP)  ## fail when gen/go differs from what protos/ generates
+	@tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	$(GO_GENERATE) -o "$$tmp"; \
+	if diff -r "$$tmp/$(GO_MODULE)/sessionrouter" $(GO_MODULE)/sessionrouter; then \
+	  echo "stubs-go-check: gen/go is up to date"; \
+	else echo "stubs-go-check: gen/go is stale, run 'make stubs-go'"; exit 1; fi
 
 stubs-java:
 	cd $(JAVA_CLIENT) && mvn $(MVN_FLAGS) generate-sources
@@ -73,7 +79,7 @@ stubs: stubs-go stubs-java  ## generate the Go and Java stubs (Node loads protos
 
 # --- clients ----------------------------------------------------------------------------------
 
-$(GO_CLIENT_BIN): $(GO_GEN_STAMP) $(GO_CLIENT)/go.mod $(GO_CLIENT)/go.sum \
+$(GO_CLIENT_BIN): $(GO_MODULE_FILES) $(GO_CLIENT)/go.mod $(GO_CLIENT)/go.sum \
 		$(wildcard $(GO_CLIENT)/cmd/interop-client/*.go)
 	@unformatted=$$(cd $(GO_CLIENT) && gofmt -l cmd); \
 	  if [ -n "$$unformatted" ]; then echo "gofmt: reformat $$unformatted"; exit 1; fi
@@ -138,4 +144,4 @@ proto-release: $(BUF)  ## record protos/ as the released contract (a deliberate,
 	$(BUF) build -o $(RELEASED_IMAGE)
 
 clean-polyglot:  ## remove the built clients (not the toolchain caches)
-	rm -rf $(GO_CLIENT)/gen $(GO_CLIENT)/bin $(NODE_CLIENT)/node_modules $(JAVA_CLIENT)/target
+	rm -rf $(GO_CLIENT)/bin $(NODE_CLIENT)/node_modules $(JAVA_CLIENT)/target

@@ -1,10 +1,12 @@
-// The Go interop client. Its stubs are generated into gen/ (gitignored) by `make stubs`; the
-// module path matches the protos' go_package prefix so that no replace directive is needed.
-module sessionrouter.dev
+// The Go interop client. It imports the committed Go module of the repository (gen/go)
+// through the replace directive below, as a Go trainer inside this repository would; outside
+// it, `go get github.com/sessionrouter/sessionrouter/gen/go` does the same without the replace.
+module github.com/sessionrouter/sessionrouter/clients/go
 
 go 1.26.0
 
 require (
+	github.com/sessionrouter/sessionrouter/gen/go v0.0.0-00010101000000-000000000000
 	google.golang.org/grpc v1.85.0
 	google.golang.org/protobuf v1.36.12
 )
@@ -15,3 +17,5 @@ require (
 	golang.org/x/text v0.42.0 // indirect
 	google.golang.org/genproto/googleapis/rpc v0.0.0-20260817212433-ac3dfec99bb1 // indirect
 )
+
+replace github.com/sessionrouter/sessionrouter/gen/go => ../../gen/go

@@ -19,9 +19,10 @@ Scenarios (group size 8; ids are unique per run, so a run can target a long-live
 
 Before the load, 64 workers of capacity 1,000,000 are registered (sessions that get no reward
 keep their slot, so capacity must be large). ghz gets the proto files (`--proto`,
-`--import-paths protos`), not reflection. Every run writes ghz's JSON report, an HTML report
-when `ghz-html` (scripts/ghz/htmlreport) is found, and `summary.json`, under
-`reports/ghz/{time}-{profile}/` unless `--reports-dir` says otherwise.
+`--import-paths protos`), not reflection. Every run writes ghz's JSON report per scenario and
+server, and `summary.json`, under `reports/ghz/{time}-{profile}/` unless `--reports-dir` says
+otherwise. ghz writes one format per run, and this script reads the JSON; for ghz's HTML
+report of a scenario, run ghz with `-O html` (the README shows the command).
 
 ghz runs on the same 2 cores as the server, for the real and the trivial server alike: the
 absolute numbers are a floor; the ratio is the figure to compare across changes.
@@ -390,11 +391,6 @@ def main(argv: list[str] | None = None) -> int:
             if server == "real":
                 finalized = count_finalized(address, f"sg-{run_id}-")
 
-    html = find_tool(None, "ghz-html", "GHZ_HTML")
-    if html is not None:
-        jsons = [m.report for ms in measurements.values() for m in ms]
-        subprocess.run([html, *jsons], check=True, timeout=120)
-
     rows = []
     print(f"ghz {args.profile}: concurrency {profile.concurrency}, group size {GROUP_SIZE}")
     for real, trivial in zip(measurements["real"], measurements["trivial"], strict=True):
@@ -422,7 +418,6 @@ def main(argv: list[str] | None = None) -> int:
         "finalized_groups": finalized,
         "reward_streams": submitted,
         "scenarios": rows,
-        "html": html is not None,
     }
     (reports / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"reports: {reports}")

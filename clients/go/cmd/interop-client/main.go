@@ -31,7 +31,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
-	pb "sessionrouter.dev/gen/go/sessionrouter/v1"
+	pb "github.com/sessionrouter/sessionrouter/gen/go/sessionrouter/v1"
 )
 
 const (
