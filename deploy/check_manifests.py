@@ -1,0 +1,176 @@
+"""Checks the Kubernetes manifests: schema first, then how the pieces refer to each other.
+
+Run with the Python of the pinned kubernetes-validate tool environment (`make deploy-check`
+sets it up in .tools): it ships the Kubernetes JSON schemas, so nothing is downloaded at check
+time. Usage:
+
+    python deploy/check_manifests.py [--kubernetes-version X.Y.Z]... FILE.yaml...
+
+1. Every document validates against the strict schema of its kind (an unknown field is an
+   error, not ignored) for each Kubernetes version given; a kind without a schema is an error.
+2. The documents agree with each other, which no schema can see: Service selectors pick the
+   StatefulSet's pods, named target ports and probe ports exist on the container, the
+   StatefulSet's serviceName is a headless Service, the Prometheus port annotation is a
+   container port, mounts name a volume or a claim template, the pod runs as non-root, and
+   terminationGracePeriodSeconds exceeds the router's --shutdown-delay plus --grace (seconds),
+   so the kubelet never kills a router that is still draining.
+
+Prints one line per problem and exits 1 when there is any, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kubernetes_validate import utils
+
+# The oldest version the manifests use features of (native gRPC probes are GA since 1.27,
+# StatefulSet PVC retention since 1.32), and the newest the pinned schemas know.
+DEFAULT_VERSIONS = ("1.32.0", "1.37.0")
+# Added to --shutdown-delay + --grace: the journal's last commit and process exit.
+EXIT_MARGIN_S = 5.0
+
+Doc = dict[str, Any]
+
+
+def load(paths: list[Path]) -> list[tuple[Path, Doc]]:
+    return [(path, doc) for path in paths for doc in utils.resources_from_file(str(path))]
+
+
+def schema_problems(docs: list[tuple[Path, Doc]], versions: list[str]) -> Iterator[str]:
+    for path, doc in docs:
+        name = f"{path}: {doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+        for version in versions:
+            try:
+                utils.validate(doc, version, strict=True)
+            except utils.ValidationError as e:
+                field = ".".join(str(p) for p in e.path) or "(document)"
+                yield f"{name}: Kubernetes {version}: {field}: {e.message}"
+            except utils.SchemaNotFoundError as e:
+                yield f"{name}: {e.message}"
+
+
+def _flag(args: list[str], flag: str) -> float | None:
+    """The value after `flag` in a container's args, in seconds; None when absent."""
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return float(args[i + 1])
+        if arg.startswith(flag + "="):
+            return float(arg.split("=", 1)[1])
+    return None
+
+
+def _probe_ports(container: Doc) -> Iterator[tuple[str, Any]]:
+    for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+        probe = container.get(kind)
+        if probe is None:
+            continue
+        handler = probe.get("grpc") or probe.get("tcpSocket") or probe.get("httpGet") or {}
+        yield kind, handler.get("port")
+
+
+def statefulset_problems(sts: Doc) -> Iterator[str]:
+    name = f"StatefulSet/{sts['metadata']['name']}"
+    pod = sts["spec"]["template"]["spec"]
+    if not (pod.get("securityContext") or {}).get("runAsNonRoot"):
+        yield f"{name}: the pod's securityContext must set runAsNonRoot: true"
+    claims = {t["metadata"]["name"] for t in sts["spec"].get("volumeClaimTemplates", [])}
+    volumes = {v["name"] for v in pod.get("volumes", [])} | claims
+    for container in pod["containers"]:
+        where = f"{name}: container {container['name']}"
+        ports = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+        for kind, port in _probe_ports(container):
+            if port not in ports and port not in ports.values():
+                yield f"{where}: {kind} port {port!r} is not a container port"
+            if kind != "startupProbe" and "grpc" not in container[kind]:
+                yield f"{where}: {kind} must be a native grpc probe (grpc.health.v1)"
+        for mount in container.get("volumeMounts", []):
+            if mount["name"] not in volumes:
+                yield f"{where}: volumeMount {mount['name']!r} names no volume or claim template"
+        args = [str(a) for a in container.get("args", [])]
+        delay, grace = _flag(args, "--shutdown-delay"), _flag(args, "--grace")
+        if delay is None or grace is None:
+            yield f"{where}: args must set --shutdown-delay and --grace (seconds)"
+        else:
+            period = pod.get("terminationGracePeriodSeconds", 30)
+            if period < delay + grace + EXIT_MARGIN_S:
+                yield (
+                    f"{where}: terminationGracePeriodSeconds {period} must be at least "
+                    f"--shutdown-delay {delay:g} + --grace {grace:g} + {EXIT_MARGIN_S:g} s"
+                )
+        scrape = sts["spec"]["template"]["metadata"].get("annotations", {})
+        if scrape.get("prometheus.io/scrape") == "true":
+            port = scrape.get("prometheus.io/port", "")
+            if not port.isdigit() or int(port) not in ports.values():
+                yield f"{where}: prometheus.io/port {port!r} is not a container port"
+
+
+def service_problems(svc: Doc, statefulsets: list[Doc]) -> Iterator[str]:
+    name = f"Service/{svc['metadata']['name']}"
+    selector = svc["spec"].get("selector") or {}
+    targets = [
+        sts
+        for sts in statefulsets
+        if selector and selector.items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    ]
+    if not targets:
+        yield f"{name}: selector {selector} matches no StatefulSet's pod labels"
+    for sts in targets:
+        ports = {
+            p.get("name"): p["containerPort"]
+            for c in sts["spec"]["template"]["spec"]["containers"]
+            for p in c.get("ports", [])
+        }
+        for port in svc["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            if target not in ports and target not in ports.values():
+                yield f"{name}: port {port.get('name')} targets {target!r}, not a container port"
+
+
+def reference_problems(docs: list[Doc]) -> Iterator[str]:
+    statefulsets = [d for d in docs if d.get("kind") == "StatefulSet"]
+    services = {d["metadata"]["name"]: d for d in docs if d.get("kind") == "Service"}
+    for sts in statefulsets:
+        yield from statefulset_problems(sts)
+        headless = services.get(sts["spec"].get("serviceName", ""))
+        if headless is None or headless["spec"].get("clusterIP") != "None":
+            yield (
+                f"StatefulSet/{sts['metadata']['name']}: serviceName "
+                f"{sts['spec'].get('serviceName')!r} is not a headless Service of these manifests"
+            )
+    for svc in services.values():
+        yield from service_problems(svc, statefulsets)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--kubernetes-version", action="append", dest="versions")
+    parser.add_argument("files", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    versions = args.versions or list(DEFAULT_VERSIONS)
+    docs = load(args.files)
+    if not docs:
+        print("check_manifests: no Kubernetes documents in " + " ".join(map(str, args.files)))
+        return 1
+    problems = list(schema_problems(docs, versions))
+    try:
+        problems += reference_problems([doc for _, doc in docs])
+    except (KeyError, TypeError, ValueError) as e:
+        # A document too malformed to cross-check (a missing spec, a non-numeric flag...).
+        problems.append(f"cannot cross-check the manifests: {type(e).__name__}: {e}")
+    for problem in problems:
+        print(f"check_manifests: {problem}")
+    if problems:
+        return 1
+    kinds = ", ".join(f"{d['kind']}/{d['metadata']['name']}" for _, d in docs)
+    print(f"check_manifests: {len(docs)} documents valid for Kubernetes {', '.join(versions)}:")
+    print(f"  {kinds}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

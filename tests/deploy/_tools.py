@@ -1,0 +1,60 @@
+"""The manifest checker's environment and the manifests, for the deploy tests.
+
+`checker_python()` runs `make deploy-check-env` (stamped: free once installed) and returns the
+Python of the pinned kubernetes-validate environment, which also has PyYAML for reading the
+manifests here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MANIFEST_DIR = REPO_ROOT / "deploy" / "kubernetes"
+CHECKER = REPO_ROOT / "deploy" / "check_manifests.py"
+MANIFESTS = sorted(MANIFEST_DIR.glob("*.yaml"))
+
+
+@functools.cache
+def checker_python() -> str:
+    done = subprocess.run(
+        ["make", "--no-print-directory", "-s", "deploy-check-env"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=540,
+        check=False,
+    )
+    assert done.returncode == 0, f"make deploy-check-env failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout.strip().splitlines()[-1]
+
+
+def check(*files: Path) -> subprocess.CompletedProcess[str]:
+    """Runs deploy/check_manifests.py on `files`."""
+    return subprocess.run(
+        [checker_python(), str(CHECKER), *map(str, files)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def load_documents(path: Path) -> list[dict[str, Any]]:
+    """The YAML documents of `path`, read by the checker environment's PyYAML."""
+    script = "import json, sys, yaml; print(json.dumps(list(yaml.safe_load_all(sys.stdin))))"
+    done = subprocess.run(
+        [checker_python(), "-c", script],
+        input=path.read_text(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    docs: list[dict[str, Any]] = json.loads(done.stdout)
+    return docs
