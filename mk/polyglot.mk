@@ -31,12 +31,13 @@ GO_MODULE := gen/go
 GO_MODULE_FILES := $(shell find $(GO_MODULE) -type f 2>/dev/null)
 GO_CLIENT_BIN := $(GO_CLIENT)/bin/interop-client
 NODE_STAMP := $(NODE_CLIENT)/node_modules/.stamp
+NODE_GEN_STAMP := $(NODE_CLIENT)/gen/.stamp
 JAVA_JAR := $(JAVA_CLIENT)/target/interop-client.jar
 JAVA_SOURCES := $(shell find $(JAVA_CLIENT)/src -name '*.java' 2>/dev/null)
 
 
 .PHONY: proto-release
-.PHONY: interop-deps stubs stubs-go stubs-go-check stubs-java interop-go interop-node interop-java ghz \
+.PHONY: interop-deps stubs stubs-go stubs-go-check stubs-node stubs-java interop-go interop-node interop-java ghz \
 	loadtest loadtest-smoke lint-proto-breaking clean-polyglot
 
 # --- pinned Go-built tools, one stamp per version ---------------------------------------------
@@ -75,7 +76,7 @@ stubs-go-check: $(BUF) $(PROTOC_GEN_GO_STAMP) $(PROTOC_GEN_GO_GRPC_STAMP)  ## fa
 stubs-java:
 	cd $(JAVA_CLIENT) && mvn $(MVN_FLAGS) generate-sources
 
-stubs: stubs-go stubs-java  ## generate the Go and Java stubs (Node loads protos/ at run time)
+stubs: stubs-go stubs-node stubs-java  ## generate the Go, Node and Java stubs
 
 # --- clients ----------------------------------------------------------------------------------
 
@@ -85,17 +86,28 @@ $(GO_CLIENT_BIN): $(GO_MODULE_FILES) $(GO_CLIENT)/go.mod $(GO_CLIENT)/go.sum \
 	  if [ -n "$$unformatted" ]; then echo "gofmt: reformat $$unformatted"; exit 1; fi
 	cd $(GO_CLIENT) && go vet ./... && go build -buildvcs=false -o bin/interop-client ./cmd/interop-client
 
-$(NODE_STAMP): $(NODE_CLIENT)/package.json $(NODE_CLIENT)/package-lock.json $(NODE_CLIENT)/client.mjs
+$(NODE_STAMP): $(NODE_CLIENT)/package.json $(NODE_CLIENT)/package-lock.json
 	cd $(NODE_CLIENT) && npm ci --ignore-scripts --no-audit --no-fund --no-update-notifier --loglevel=error
-	node --check $(NODE_CLIENT)/client.mjs
 	touch $@
+
+# Node: protoc-gen-es comes from the client's own devDependencies (npm ci), pinned in its lock.
+$(NODE_GEN_STAMP): $(PROTO_FILES) buf.yaml $(NODE_CLIENT)/buf.gen.yaml $(BUF) $(NODE_STAMP)
+	rm -rf $(NODE_CLIENT)/gen
+	PATH="$(CURDIR)/$(NODE_CLIENT)/node_modules/.bin:$$PATH" $(BUF) generate --template $(NODE_CLIENT)/buf.gen.yaml
+	touch $@
+
+stubs-node: $(NODE_GEN_STAMP)  ## generate the Node stubs into clients/node/gen
 
 $(JAVA_JAR): $(JAVA_CLIENT)/pom.xml $(JAVA_SOURCES) $(PROTO_FILES)
 	cd $(JAVA_CLIENT) && mvn $(MVN_FLAGS) package
 	touch $@
 
 interop-go: $(GO_CLIENT_BIN)  ## build the Go interop client
-interop-node: $(NODE_STAMP)  ## install the Node interop client's dependencies
+$(NODE_CLIENT)/.checked: $(NODE_GEN_STAMP) $(NODE_CLIENT)/client.mjs
+	node --check $(NODE_CLIENT)/client.mjs
+	touch $@
+
+interop-node: $(NODE_CLIENT)/.checked  ## generate the Node stubs and install the client's dependencies
 interop-java: $(JAVA_JAR)  ## build the Java interop client
 
 # Tools each language needs on PATH.
@@ -144,4 +156,4 @@ proto-release: $(BUF)  ## record protos/ as the released contract (a deliberate,
 	$(BUF) build -o $(RELEASED_IMAGE)
 
 clean-polyglot:  ## remove the built clients (not the toolchain caches)
-	rm -rf $(GO_CLIENT)/bin $(NODE_CLIENT)/node_modules $(JAVA_CLIENT)/target
+	rm -rf $(GO_CLIENT)/bin $(NODE_CLIENT)/gen $(NODE_CLIENT)/.checked $(NODE_CLIENT)/node_modules $(JAVA_CLIENT)/target
