@@ -33,6 +33,8 @@ GO_CLIENT_BIN := $(GO_CLIENT)/bin/interop-client
 NODE_STAMP := $(NODE_CLIENT)/node_modules/.stamp
 NODE_GEN_STAMP := $(NODE_CLIENT)/gen/.stamp
 JAVA_JAR := $(JAVA_CLIENT)/target/interop-client.jar
+JAVA_GEN_STAMP := $(JAVA_CLIENT)/gen/.stamp
+JAVA_PROTOC_BIN := $(CURDIR)/$(JAVA_CLIENT)/target/protoc-bin
 JAVA_SOURCES := $(shell find $(JAVA_CLIENT)/src -name '*.java' 2>/dev/null)
 
 
@@ -73,8 +75,16 @@ stubs-go-check: $(BUF) $(PROTOC_GEN_GO_STAMP) $(PROTOC_GEN_GO_GRPC_STAMP)  ## fa
 	  echo "stubs-go-check: gen/go is up to date"; \
 	else echo "stubs-go-check: gen/go is stale, run 'make stubs-go'"; exit 1; fi
 
-stubs-java:
-	cd $(JAVA_CLIENT) && mvn $(MVN_FLAGS) generate-sources
+# Java: `mvn initialize` copies the pom's pinned protoc and protoc-gen-grpc-java for this OS
+# into target/protoc-bin (without the executable bit, which Maven does not keep).
+$(JAVA_GEN_STAMP): $(PROTO_FILES) buf.yaml $(JAVA_CLIENT)/buf.gen.yaml $(JAVA_CLIENT)/pom.xml $(BUF)
+	cd $(JAVA_CLIENT) && mvn $(MVN_FLAGS) initialize
+	chmod +x $(JAVA_PROTOC_BIN)/protoc $(JAVA_PROTOC_BIN)/protoc-gen-grpc-java
+	rm -rf $(JAVA_CLIENT)/gen
+	PATH="$(JAVA_PROTOC_BIN):$$PATH" $(BUF) generate --template $(JAVA_CLIENT)/buf.gen.yaml
+	touch $@
+
+stubs-java: $(JAVA_GEN_STAMP)  ## generate the Java stubs into clients/java/gen
 
 stubs: stubs-go stubs-node stubs-java  ## generate the Go, Node and Java stubs
 
@@ -98,7 +108,7 @@ $(NODE_GEN_STAMP): $(PROTO_FILES) buf.yaml $(NODE_CLIENT)/buf.gen.yaml $(BUF) $(
 
 stubs-node: $(NODE_GEN_STAMP)  ## generate the Node stubs into clients/node/gen
 
-$(JAVA_JAR): $(JAVA_CLIENT)/pom.xml $(JAVA_SOURCES) $(PROTO_FILES)
+$(JAVA_JAR): $(JAVA_CLIENT)/pom.xml $(JAVA_SOURCES) $(JAVA_GEN_STAMP)
 	cd $(JAVA_CLIENT) && mvn $(MVN_FLAGS) package
 	touch $@
 
@@ -156,4 +166,5 @@ proto-release: $(BUF)  ## record protos/ as the released contract (a deliberate,
 	$(BUF) build -o $(RELEASED_IMAGE)
 
 clean-polyglot:  ## remove the built clients (not the toolchain caches)
-	rm -rf $(GO_CLIENT)/bin $(NODE_CLIENT)/gen $(NODE_CLIENT)/.checked $(NODE_CLIENT)/node_modules $(JAVA_CLIENT)/target
+	rm -rf $(GO_CLIENT)/bin $(NODE_CLIENT)/gen $(NODE_CLIENT)/.checked $(NODE_CLIENT)/node_modules \
+	  $(JAVA_CLIENT)/gen $(JAVA_CLIENT)/target
