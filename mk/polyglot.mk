@@ -68,12 +68,15 @@ stubs-go: $(BUF) $(PROTOC_GEN_GO_STAMP) $(PROTOC_GEN_GO_GRPC_STAMP)  ## regenera
 	rm -rf $(GO_MODULE)/sessionrouter
 	$(GO_GENERATE)
 
-stubs-go-check: $(BUF) $(PROTOC_GEN_GO_STAMP) $(PROTOC_GEN_GO_GRPC_STAMP)  ## fail when gen/go differs from what protos/ generates
+stubs-go-check: $(BUF) $(PROTOC_GEN_GO_STAMP) $(PROTOC_GEN_GO_GRPC_STAMP)  ## fail when gen/go differs from what protos/ generates; vet it
 	@tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
 	$(GO_GENERATE) -o "$$tmp"; \
 	if diff -r "$$tmp/$(GO_MODULE)/sessionrouter" $(GO_MODULE)/sessionrouter; then \
 	  echo "stubs-go-check: gen/go is up to date"; \
 	else echo "stubs-go-check: gen/go is stale, run 'make stubs-go'"; exit 1; fi
+	@unformatted=$$(gofmt -l $(GO_MODULE)/*.go); \
+	  if [ -n "$$unformatted" ]; then echo "gofmt: reformat $$unformatted"; exit 1; fi
+	cd $(GO_MODULE) && go vet ./...
 
 # Java: `mvn initialize` copies the pom's pinned protoc and protoc-gen-grpc-java for this OS
 # into target/protoc-bin (without the executable bit, which Maven does not keep).
