@@ -38,7 +38,7 @@ deploy-check-env: $(DEPLOY_CHECK_STAMP)
 deploy-check: $(DEPLOY_CHECK_STAMP)  ## validate deploy/kubernetes/*.yaml (strict Kubernetes schemas + cross-references)
 	$(DEPLOY_CHECK_PYTHON) deploy/check_manifests.py $(MANIFESTS)
 
-image:  ## build the container image $(IMAGE):$(IMAGE_TAG) with docker or podman
+image:  ## build the container image sessionrouter:VERSION (IMAGE, IMAGE_TAG) with docker or podman
 	@if [ -z "$(CONTAINER_ENGINE)" ]; then \
 	  echo "image: no container engine (docker or podman) on PATH"; exit 1; fi
 	$(CONTAINER_ENGINE) build -t $(IMAGE):$(IMAGE_TAG) .
