@@ -51,7 +51,7 @@ lint: venv  ## ruff (lint + format check) and mypy --strict on hand-written code
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: venv proto-check stubs-go-check lint lint-proto lint-proto-breaking deploy-check interop-deps  ## everything CI runs: stubs, lint, types, buf, manifests, tests
+test: venv proto-check stubs-go-check lint lint-proto lint-proto-breaking deploy-check interop-deps nginx-deps  ## everything CI runs: stubs, lint, types, buf, manifests, tests
 	$(VENV)/bin/pytest
 
 test-fast: venv  ## only the pytest suite

@@ -243,6 +243,12 @@ class _ReadableCall:
                 raise asyncio.CancelledError from None
             raise _aio_error(error) from None
 
+    async def initial_metadata(self) -> grpc.aio.Metadata:
+        """What the router side sent with ``send_initial_metadata`` (empty if it ended the
+        call without), as the aio call's ``initial_metadata()`` does."""
+        sent: Any = await self._fake.in_thread(self._responses.initial_metadata)
+        return grpc.aio.Metadata.from_tuple(tuple(sent or ()))
+
     def cancel(self) -> bool:
         if self._cancelled:
             return False

@@ -1,4 +1,4 @@
-"""``subscribe_groups`` over the fake channel: resuming from the last cursor, giving up, errors.
+"""``subscribe_groups`` over the fake channel: resuming, reconnecting, giving up, errors.
 
 The test plays the router's side of SubscribeGroups with grpcio-testing's unary-stream fixture
 through ``FakeAioChannel``; see ``test_client_unary`` for how the sync fake drives the client.
@@ -15,11 +15,13 @@ from google.rpc import error_details_pb2
 
 from sessionrouter.client import (
     GroupResult,
+    InternalError,
     OutOfRangeError,
-    RetryPolicy,
     SessionRouterClient,
+    SessionRouterError,
     UnavailableError,
 )
+from sessionrouter.client._feed import AFTER_CURSOR_HEADER
 from sessionrouter.v1 import resources_pb2 as rpb
 from sessionrouter.v1 import session_service_pb2 as spb
 
@@ -34,9 +36,35 @@ def groups(*cursors: int) -> spb.SubscribeGroupsResponse:
     )
 
 
-async def take(fake: FakeAioChannel) -> tuple[spb.SubscribeGroupsRequest, object]:
+async def take(
+    fake: FakeAioChannel, after: int | None = None
+) -> tuple[spb.SubscribeGroupsRequest, object]:
+    """The next SubscribeGroups call; its headers name ``after`` as the router does (no
+    headers value at all, as an older router, when ``after`` is None)."""
     _, request, rpc = await fake.take_unary_stream("SubscribeGroups")
+    header = () if after is None else ((AFTER_CURSOR_HEADER, str(after)),)
+    rpc.send_initial_metadata(header)
     return request, rpc
+
+
+def shutting_down(cursor: int, delay_s: float) -> tuple[tuple[str, str | bytes], ...]:
+    """The trailer of a feed stream the router ended because it drains."""
+    info = error_details_pb2.ErrorInfo(
+        reason="SHUTTING_DOWN", domain="sessionrouter.dev", metadata={"cursor": str(cursor)}
+    )
+    retry = error_details_pb2.RetryInfo()
+    retry.retry_delay.FromNanoseconds(int(delay_s * 1e9))
+    return status_trailer(UNAVAILABLE, "shutting down", info, retry)
+
+
+class Retries:
+    """Records what ``on_retry`` was told."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, grpc.StatusCode | None, float, int]] = []
+
+    def __call__(self, failures: int, error: SessionRouterError, delay: float, cursor: int) -> None:
+        self.calls.append((failures, error.code, delay, cursor))
 
 
 class Trainer:
@@ -75,11 +103,11 @@ async def test_resumes_after_the_last_delivered_cursor(
     trainer = Trainer(client)
 
     async def router() -> list[spb.SubscribeGroupsRequest]:
-        one, rpc = await take(fake)
+        one, rpc = await take(fake, 5)
         rpc.send_response(groups(6, 7))  # type: ignore[attr-defined]
         await trainer.has_read(2)
         rpc.terminate((), UNAVAILABLE, "router restarting")  # type: ignore[attr-defined]
-        two, rpc = await take(fake)
+        two, rpc = await take(fake, 7)
         rpc.send_response(groups(7, 8))  # type: ignore[attr-defined]  # 7 again: not twice
         await fake.in_thread(rpc.cancelled)  # type: ignore[attr-defined]
         return [one, two]
@@ -96,11 +124,11 @@ async def test_a_stream_the_router_ends_is_resumed_too(
     trainer = Trainer(client)
 
     async def router() -> int:
-        _, rpc = await take(fake)
+        _, rpc = await take(fake, 0)
         rpc.send_response(groups(1))  # type: ignore[attr-defined]
         await trainer.has_read(1)
         rpc.terminate((), grpc.StatusCode.OK, "")  # type: ignore[attr-defined]
-        request, rpc = await take(fake)
+        request, rpc = await take(fake, 1)
         rpc.send_response(groups(2))  # type: ignore[attr-defined]
         await fake.in_thread(rpc.cancelled)  # type: ignore[attr-defined]
         return request.after_cursor
@@ -110,9 +138,38 @@ async def test_a_stream_the_router_ends_is_resumed_too(
     assert resumed_from == 1
 
 
-async def test_from_latest_holds_until_the_first_group(
+async def test_from_latest_resumes_from_the_cursor_the_router_named(
     fake: FakeAioChannel, client: SessionRouterClient
 ) -> None:
+    """The first stream, from latest, starts after cursor 40 and is lost before any group:
+    the reconnect asks for the groups after 40, so 41 (finalized meanwhile) is not skipped."""
+    trainer = Trainer(client)
+
+    async def router() -> list[spb.SubscribeGroupsRequest]:
+        one, rpc = await take(fake, 40)
+        rpc.terminate((), UNAVAILABLE, "restart")  # type: ignore[attr-defined]
+        two, rpc = await take(fake, 40)
+        rpc.send_response(groups(41))  # type: ignore[attr-defined]
+        await trainer.has_read(1)
+        rpc.terminate((), UNAVAILABLE, "restart")  # type: ignore[attr-defined]
+        three, rpc = await take(fake, 41)
+        rpc.send_response(groups(42))  # type: ignore[attr-defined]
+        await fake.in_thread(rpc.cancelled)  # type: ignore[attr-defined]
+        return [one, two, three]
+
+    results, requests = await asyncio.gather(trainer.first(2, from_latest=True), router())
+    assert [r.cursor for r in results] == [41, 42]
+    assert [(r.after_cursor, r.from_latest) for r in requests] == [
+        (0, True),
+        (40, False),
+        (41, False),
+    ]
+
+
+async def test_from_latest_without_the_header_holds_until_the_first_group(
+    fake: FakeAioChannel, client: SessionRouterClient
+) -> None:
+    """An older router names no cursor: "from latest" is all the client can ask again."""
     trainer = Trainer(client)
 
     async def router() -> list[spb.SubscribeGroupsRequest]:
@@ -135,6 +192,52 @@ async def test_from_latest_holds_until_the_first_group(
     ]
 
 
+async def test_a_proxy_reset_is_a_reconnect_but_the_routers_internal_is_raised(
+    fake: FakeAioChannel, client: SessionRouterClient
+) -> None:
+    """INTERNAL without details is what nginx's RST_STREAM looks like; one with an ErrorInfo
+    is the router's own answer."""
+    info = error_details_pb2.ErrorInfo(reason="BUG", domain="sessionrouter.dev")
+    internal = grpc.StatusCode.INTERNAL
+
+    async def router() -> None:
+        _, rpc = await take(fake, 3)
+        rpc.terminate((), internal, "Received RST_STREAM with error code 2")  # type: ignore[attr-defined]
+        _, rpc = await take(fake, 3)
+        rpc.terminate(status_trailer(internal, "broken", info), internal, "broken")  # type: ignore[attr-defined]
+
+    retries = Retries()
+    feed = client.subscribe_groups(after_cursor=3, on_retry=retries)
+    with pytest.raises(InternalError, match="broken"):
+        await asyncio.gather(anext(feed), router())
+    await feed.aclose()
+    assert [(n, code, cursor) for n, code, _, cursor in retries.calls] == [(1, internal, 3)]
+
+
+async def test_a_drained_stream_reconnects_after_the_retry_delay(
+    fake: FakeAioChannel, client: SessionRouterClient
+) -> None:
+    trainer = Trainer(client)
+
+    async def router() -> spb.SubscribeGroupsRequest:
+        _, rpc = await take(fake, 0)
+        rpc.send_response(groups(1))  # type: ignore[attr-defined]
+        await trainer.has_read(1)
+        rpc.terminate(shutting_down(1, 0.05), UNAVAILABLE, "shutting down")  # type: ignore[attr-defined]
+        request, rpc = await take(fake, 1)
+        rpc.send_response(groups(2))  # type: ignore[attr-defined]
+        await fake.in_thread(rpc.cancelled)  # type: ignore[attr-defined]
+        return request
+
+    retries = Retries()
+    results, request = await asyncio.gather(trainer.first(2, on_retry=retries), router())
+    assert [r.cursor for r in results] == [1, 2]
+    assert request.after_cursor == 1
+    ((failures, code, delay, cursor),) = retries.calls
+    assert (failures, code, cursor) == (1, UNAVAILABLE, 1)
+    assert 0.05 <= delay <= 0.05 * 1.2 + 1e-9  # RetryInfo, plus at most 20% jitter
+
+
 async def test_out_of_range_is_raised_with_the_oldest_cursor(
     fake: FakeAioChannel, client: SessionRouterClient
 ) -> None:
@@ -142,24 +245,50 @@ async def test_out_of_range_is_raised_with_the_oldest_cursor(
     info = error_details_pb2.ErrorInfo(reason="CURSOR_EXPIRED", metadata={"oldest_cursor": "100"})
 
     async def router() -> None:
-        _, rpc = await take(fake)
-        rpc.terminate(status_trailer(code, "cursor 3 expired", info), code, "cursor 3 expired")  # type: ignore[attr-defined]
+        _, _, rpc = await fake.take_unary_stream("SubscribeGroups")
+        rpc.terminate(status_trailer(code, "cursor 3 expired", info), code, "cursor 3 expired")
 
     with pytest.raises(OutOfRangeError) as caught:
         await asyncio.gather(Trainer(client).first(1, after_cursor=3), router())
     assert caught.value.metadata == {"oldest_cursor": "100"}
 
 
-async def test_gives_up_after_consecutive_failed_connections(fake: FakeAioChannel) -> None:
-    client = SessionRouterClient(
-        fake,  # type: ignore[arg-type]
-        retry_policy=RetryPolicy(max_attempts=2, initial_backoff=0.001, max_backoff=0.002),
-    )
+async def test_never_gives_up_by_default(fake: FakeAioChannel, client: SessionRouterClient) -> None:
+    """Far more failed connections than the retry policy's max_attempts (3 here)."""
+    failures = 12
 
     async def router() -> None:
-        for _ in range(2):
-            _, rpc = await take(fake)
+        for _ in range(failures):
+            _, _, rpc = await fake.take_unary_stream("SubscribeGroups")
+            rpc.terminate((), UNAVAILABLE, "connection refused")
+        _, rpc = await take(fake, 0)
+        rpc.send_response(groups(1))  # type: ignore[attr-defined]
+        await fake.in_thread(rpc.cancelled)  # type: ignore[attr-defined]
+
+    retries = Retries()
+    results, _ = await asyncio.gather(Trainer(client).first(1, on_retry=retries), router())
+    assert [r.cursor for r in results] == [1]
+    assert [n for n, *_ in retries.calls] == list(range(1, failures + 1))
+
+
+async def test_gives_up_after_consecutive_failed_connections(
+    fake: FakeAioChannel, client: SessionRouterClient
+) -> None:
+    """``max_failed_connections`` counts failures in a row: a connection whose headers
+    arrived (the router answered) starts the count again. No clock is involved."""
+
+    async def router() -> None:
+        for answered in (False, True, False):
+            if answered:
+                _, rpc = await take(fake, 0)
+            else:
+                _, _, rpc = await fake.take_unary_stream("SubscribeGroups")
             rpc.terminate((), UNAVAILABLE, "down")  # type: ignore[attr-defined]
 
-    with pytest.raises(UnavailableError, match="down"):
-        await asyncio.gather(Trainer(client).first(1), router())
+    retries = Retries()
+    trainer = Trainer(client)
+    with pytest.raises(UnavailableError, match="down") as caught:
+        await asyncio.gather(trainer.first(1, max_failed_connections=2, on_retry=retries), router())
+    # Failure 1, then an answered connection lost (1 again), then 2 in a row: given up.
+    assert [n for n, *_ in retries.calls] == [1, 1]
+    assert any("2 failed connection" in note for note in caught.value.__notes__)

@@ -135,6 +135,7 @@ async def test_run_group_aborts_a_member_whose_reward_is_not_finite(
             ),
         )
         _, request, feed = await fake.take_unary_stream("SubscribeGroups")
+        feed.send_initial_metadata(())  # a router sends its headers first
         assert request.after_cursor == 1
         feed.send_response(spb.SubscribeGroupsResponse(groups=[result]))
         await fake.in_thread(feed.cancelled)
@@ -156,6 +157,7 @@ async def test_wait_group_result_polls_until_finalized_then_reads_the_feed(
         await fake.reply("GetGroup", spb.GetGroupResponse(group=open_group))
         await fake.reply("GetGroup", spb.GetGroupResponse(group=done_group))
         _, request, feed = await fake.take_unary_stream("SubscribeGroups")
+        feed.send_initial_metadata(())  # a router sends its headers first
         result = rpb.GroupResult(cursor=9, group_id="g7", outcome=rpb.GROUP_OUTCOME_COMPLETE)
         feed.send_response(spb.SubscribeGroupsResponse(groups=[result]))
         await fake.in_thread(feed.cancelled)

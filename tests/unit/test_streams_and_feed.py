@@ -97,13 +97,23 @@ def test_feed_evicts_beyond_retention_and_says_so() -> None:
     assert feed.last_cursor == 30
     assert 30 - feed.oldest_cursor + 1 <= 8 + 8 // 8
     with pytest.raises(OutOfRange) as info:
-        feed.read_after(0, 10)
+        feed.read_after(1, 10)
     assert info.value.reason == "CURSOR_EXPIRED"
     assert info.value.metadata["oldest_cursor"] == str(feed.oldest_cursor)
     with pytest.raises(OutOfRange) as info:
         feed.read_after(31, 10)
     assert info.value.reason == "CURSOR_AHEAD_OF_FEED"
     assert feed.read_after(feed.oldest_cursor - 1, 100)[0].cursor == feed.oldest_cursor
+
+
+def test_cursor_zero_means_the_oldest_retained_group_even_after_eviction() -> None:
+    feed = GroupFeed(retention=8)
+    for cursor in range(1, 31):
+        feed.publish(result(cursor))
+    assert feed.oldest_cursor > 1
+    assert feed.start_after(0) == feed.oldest_cursor - 1
+    assert feed.start_after(25) == 25
+    assert [r.cursor for r in feed.read_after(0, 100)] == list(range(feed.oldest_cursor, 31))
 
 
 async def test_feed_wakes_waiters_on_publish_and_on_close() -> None:

@@ -4,7 +4,7 @@ Methods take and return the dataclasses of ``sessionrouter.client.types``; failu
 ``SessionRouterError`` hierarchy. Unary calls share one path (``_unary``): the caller's
 metadata, one overall deadline, and UNAVAILABLE retried under the client's ``RetryPolicy``
 (every unary call here is idempotent; see ``_retry``). Streams are not retried as a whole:
-the feed resumes from its cursor, and the reward stream fails its unacknowledged entries.
+the feed reconnects and resumes from its cursor, for as long as the caller wants.
 """
 
 # `timeout=` on these coroutines is the gRPC deadline, sent to the router and shared by the
@@ -31,7 +31,7 @@ import grpc
 
 from sessionrouter.client import _convert
 from sessionrouter.client._errors import InternalError, SessionRouterError
-from sessionrouter.client._feed import follow_feed
+from sessionrouter.client._feed import FeedRetryHook, follow_feed
 from sessionrouter.client._retry import Retrier, RetryPolicy
 from sessionrouter.client._rewards import RewardStream
 from sessionrouter.client.types import (
@@ -68,6 +68,10 @@ DEFAULT_TIMEOUT = 30.0
 """Seconds a unary call may take by default, retries and their waits included."""
 
 
+_CHANNEL_DEFAULTS: tuple[tuple[str, int], ...] = (("grpc.max_reconnect_backoff_ms", 5_000),)
+"""Channel arguments ``connect`` sets unless its caller gives them."""
+
+
 class SessionRouterClient:
     """Asyncio client for a sessionrouter.
 
@@ -82,7 +86,8 @@ class SessionRouterClient:
         metadata: extra ``(key, value)`` pairs sent on every call.
         default_timeout: seconds a unary call may take when the call gives no ``timeout``;
             ``None`` for no deadline. Streams have no default deadline.
-        retry_policy: how UNAVAILABLE is retried (unary calls, and feed reconnects).
+        retry_policy: how transient errors (UNAVAILABLE, a reset stream) are retried: unary
+            calls, and the backoff of feed reconnects.
         owns_channel: close ``channel`` when the client closes (``connect`` sets it).
     """
 
@@ -120,12 +125,18 @@ class SessionRouterClient:
         """Opens a channel to ``target`` (``host:port``); TLS when ``credentials`` are given.
 
         The connection is made lazily, on the first call. ``options`` are gRPC channel
-        arguments, for example ``[("grpc.keepalive_time_ms", 30_000)]``.
+        arguments, for example ``[("grpc.keepalive_time_ms", 30_000)]``. Unless they say
+        otherwise, the channel's own reconnect backoff is capped at 5 s (gRPC's default grows
+        to 120 s), so a channel notices a restarted router about as soon as the retries do.
         """
+        given = {name for name, _ in options}
+        channel_options = list(options) + [
+            (name, value) for name, value in _CHANNEL_DEFAULTS if name not in given
+        ]
         if credentials is None:
-            channel = grpc.aio.insecure_channel(target, options=list(options))
+            channel = grpc.aio.insecure_channel(target, options=channel_options)
         else:
-            channel = grpc.aio.secure_channel(target, credentials, options=list(options))
+            channel = grpc.aio.secure_channel(target, credentials, options=channel_options)
         return cls(
             channel,
             token=token,
@@ -415,13 +426,20 @@ class SessionRouterClient:
         after_cursor: int = 0,
         from_latest: bool = False,
         retry_policy: RetryPolicy | None = None,
+        max_failed_connections: int | None = None,
+        on_retry: FeedRetryHook | None = None,
     ) -> AsyncGenerator[GroupResult, None]:
         """Every finalized or dropped group after ``after_cursor``, then new ones as they come.
 
-        Pass the cursor of the last group you processed to resume after a restart of the
-        trainer. The iterator reconnects by itself on UNAVAILABLE (see ``_feed``), with the
-        client's retry policy unless ``retry_policy`` is given. It never ends by itself;
-        break out of the loop (or ``aclose()`` it, or cancel the task) to stop.
+        ``after_cursor=0`` starts at the oldest group the router retains; pass the cursor of
+        the last group you processed to resume after a restart of the trainer, or
+        ``from_latest=True`` to skip the backlog. The iterator reconnects by itself whenever
+        the stream is lost (router restart or drain, a proxy's reset), with the backoff of
+        ``retry_policy`` (the client's by default), resuming after the last group it yielded:
+        nothing is missed, nothing delivered twice (see ``_feed``). It never gives up unless
+        ``max_failed_connections`` consecutive connections fail; every retry is logged and
+        passed to ``on_retry(failures, error, delay, cursor)``. It never ends by itself; break
+        out of the loop (or ``aclose()`` it, or cancel the task) to stop.
         """
         retrier = self._retrier if retry_policy is None else Retrier(retry_policy)
 
@@ -431,7 +449,12 @@ class SessionRouterClient:
             return self._sessions.SubscribeGroups(request, metadata=self._metadata)
 
         return follow_feed(
-            open_call, after_cursor=after_cursor, from_latest=from_latest, retrier=retrier
+            open_call,
+            after_cursor=after_cursor,
+            from_latest=from_latest,
+            retrier=retrier,
+            max_failed_connections=max_failed_connections,
+            on_retry=on_retry,
         )
 
     # Group helpers ------------------------------------------------------------------------

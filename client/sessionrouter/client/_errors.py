@@ -18,6 +18,12 @@ never a bare ``grpc.RpcError``::
     ├── StreamClosedError         a reward stream ended before acknowledging an entry
     └── InternalError             INTERNAL, UNKNOWN, DATA_LOSS and anything else
 
+Two of them are *transient* (``is_transient``): UNAVAILABLE, and an INTERNAL that carries no
+status details, which is what a stream reset below the application looks like (an HTTP/2
+RST_STREAM from a proxy's idle timeout, a connection torn mid-call). The router itself never
+answers INTERNAL without an ``ErrorInfo``, so that case is not an answer but a lost call: the
+client retries it where retrying is safe, as it does UNAVAILABLE.
+
 The router sends ``google.rpc.Status`` details in the ``grpc-status-details-bin`` trailer; they
 are decoded with grpcio-status and exposed as plain attributes, so a caller can branch on
 ``err.reason == "GROUP_SIZE_MISMATCH"`` and read ``err.metadata["expected"]`` without touching
@@ -48,6 +54,7 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "UnimplementedError",
+    "is_transient",
     "map_rpc_errors",
 ]
 
@@ -133,6 +140,26 @@ class UnavailableError(SessionRouterError):
     Unary calls retry this by themselves; it reaches the caller once the retry policy or the
     deadline is spent. ``retry_delay`` says when the router expects a retry to succeed.
     """
+
+
+def is_transient(error: SessionRouterError) -> bool:
+    """True when ``error`` says the call was lost on the way, not answered by the router.
+
+    UNAVAILABLE always is. INTERNAL is when it carries no ``ErrorInfo`` (every status the
+    router raises has one) and is not grpc's own (de)serialization failure, which a retry
+    would only repeat.
+    """
+    if isinstance(error, UnavailableError):
+        return True
+    return (
+        error.code is grpc.StatusCode.INTERNAL
+        and error.reason is None
+        and not error.message.startswith(_SERIALIZATION_FAILURES)
+    )
+
+
+_SERIALIZATION_FAILURES = ("Exception serializing", "Exception deserializing")
+"""How grpc words an INTERNAL it raised itself because a message could not be (de)coded."""
 
 
 class DeadlineExceededError(SessionRouterError):

@@ -1,27 +1,64 @@
-"""The completed-group feed as an async iterator that survives router restarts.
+"""The completed-group feed as an async iterator that outlives router restarts and proxies.
 
-A trainer consumes finalized groups for hours; connections drop (router restart, proxy idle
-timeout, max connection age). On UNAVAILABLE, or when the router ends the stream (which the
-contract says it does not do while serving), the iterator reconnects with the cursor of the
-last group it yielded, so the trainer misses nothing and sees nothing twice.
+A trainer consumes finalized groups for days; connections drop (router restart or drain,
+proxy idle timeout, max connection age). The iterator reconnects by itself, with backoff, for
+as long as the caller lets it (forever by default), each time asking for the groups after the
+last cursor it yielded, so the trainer misses nothing and sees nothing twice.
+
+What counts as "reconnect": UNAVAILABLE (router down, or draining: the router ends a feed
+stream it drains with UNAVAILABLE and ErrorInfo reason ``SHUTTING_DOWN``), an INTERNAL without
+status details (a proxy's RST_STREAM, see ``_errors.is_transient``), and a stream that ends
+with OK (which a router does only while stopping). Resuming by cursor is always safe. Any
+other status is the router's answer and is raised at once (OUT_OF_RANGE for a cursor older
+than the retained feed, UNAUTHENTICATED, ...).
+
+``from_latest`` applies to the first connection only. The router names, in the
+``sessionrouter-after-cursor`` response header, the cursor a subscription starts after; from
+then on the iterator resumes from that cursor (or from the last group it yielded), never "from
+latest" again, so the groups finalized while it was away are delivered too.
 """
 
 from __future__ import annotations
 
-import time
+import logging
 from collections.abc import AsyncGenerator, Callable
+from typing import Protocol
 
 import grpc
 
 from sessionrouter.client import _convert
-from sessionrouter.client._errors import UnavailableError, map_rpc_errors
+from sessionrouter.client._errors import SessionRouterError, is_transient, map_rpc_errors
 from sessionrouter.client._retry import Retrier
 from sessionrouter.client.types import GroupResult
 from sessionrouter.v1 import session_service_pb2 as pb
 
-__all__ = ["follow_feed"]
+__all__ = ["AFTER_CURSOR_HEADER", "FeedRetryHook", "follow_feed"]
+
+_log = logging.getLogger("sessionrouter.client.feed")
+
+AFTER_CURSOR_HEADER = "sessionrouter-after-cursor"
+"""Response header of SubscribeGroups: the cursor the stream delivers after (decimal)."""
 
 FeedCall = grpc.aio.UnaryStreamCall[pb.SubscribeGroupsRequest, pb.SubscribeGroupsResponse]
+
+
+class FeedRetryHook(Protocol):
+    """Called before each reconnect wait of the feed.
+
+    Args:
+        failures: consecutive connections that failed, this one included (1, 2, ...).
+        error: why the last connection ended.
+        delay: seconds the feed waits before it reconnects.
+        cursor: the cursor it will resume after (0 with ``from_latest`` not yet resolved).
+    """
+
+    def __call__(
+        self, failures: int, error: SessionRouterError, delay: float, cursor: int
+    ) -> None: ...
+
+
+class _StreamEndedError(SessionRouterError):
+    """The router ended the feed with OK: it is stopping (a serving router never does)."""
 
 
 async def follow_feed(
@@ -30,40 +67,71 @@ async def follow_feed(
     after_cursor: int,
     from_latest: bool,
     retrier: Retrier,
-    clock: Callable[[], float] = time.monotonic,
+    max_failed_connections: int | None = None,
+    on_retry: FeedRetryHook | None = None,
 ) -> AsyncGenerator[GroupResult, None]:
-    """Yields every group result after ``after_cursor``, reconnecting on UNAVAILABLE.
+    """Yields every group result after ``after_cursor`` (or after the newest, with
+    ``from_latest``), reconnecting whenever the stream is lost.
 
-    Consecutive failed connections are bounded by ``retrier.policy.max_attempts``; a connection
-    that delivered a group, or stayed up for ``max_backoff`` seconds, resets the count, so a
-    feed that is quiet for hours and reconnects now and then never gives up. Any other error
-    (OUT_OF_RANGE for a cursor older than the retained feed, say) is raised at once.
-    ``from_latest`` applies until the first group arrives; after that the cursor rules.
+    Waits follow ``retrier.policy``'s backoff (RetryInfo first), growing with consecutive
+    failed connections; a connection on which the router answered (its headers, or a group,
+    arrived) resets the count, so a feed that reconnects now and then for days never backs
+    off for long. ``max_failed_connections`` bounds the consecutive failures: once reached,
+    the last error is raised; ``None`` (the default) never gives up. Each retry is logged at
+    WARNING and passed to ``on_retry``.
     """
     cursor = after_cursor
     failures = 0
     while True:
         request = pb.SubscribeGroupsRequest(after_cursor=cursor, from_latest=from_latest)
         call = open_call(request)
-        opened = clock()
         try:
             with map_rpc_errors():
+                start = _after_cursor_of(await call.initial_metadata())
+                if start is not None:
+                    # The router answered: this connection worked, and it says where the
+                    # stream starts, which settles from_latest for every reconnect.
+                    failures = 0
+                    if from_latest:
+                        cursor, from_latest = start, False
                 while True:
                     message = await call.read()
                     if not isinstance(message, pb.SubscribeGroupsResponse):
-                        raise UnavailableError("the router ended the group feed")
+                        raise _StreamEndedError("the router ended the group feed")
                     for group in message.groups:  # several per message under load
                         if group.cursor <= cursor and not from_latest:
                             continue  # already delivered before a reconnect
                         cursor, from_latest, failures = group.cursor, False, 0
                         yield _convert.group_result_from_proto(group)
-        except UnavailableError as error:
-            if clock() - opened >= retrier.policy.max_backoff:
-                failures = 0
-            failures += 1
-            if failures >= retrier.policy.max_attempts:
-                error.add_note(f"sessionrouter: feed gave up after {failures} reconnect(s)")
+        except SessionRouterError as error:
+            if not (isinstance(error, _StreamEndedError) or is_transient(error)):
                 raise
-            await retrier.wait(failures, error)
+            failures += 1
+            if max_failed_connections is not None and failures >= max_failed_connections:
+                error.add_note(f"sessionrouter: feed gave up after {failures} failed connection(s)")
+                raise
+            delay = retrier.delay(failures, error)
+            _log.warning(
+                "group feed lost (%s); reconnecting after cursor %d in %.2fs (failure %d)",
+                error,
+                cursor,
+                delay,
+                failures,
+            )
+            if on_retry is not None:
+                on_retry(failures, error, delay, cursor)
+            await retrier.sleep(delay)
         finally:
             call.cancel()
+
+
+def _after_cursor_of(metadata: grpc.aio.Metadata | None) -> int | None:
+    """The ``sessionrouter-after-cursor`` header's value; None when absent (older routers,
+    or a call that failed before its headers) or malformed."""
+    if metadata is None:
+        return None
+    for key, value in metadata:
+        if key == AFTER_CURSOR_HEADER:
+            text = value.decode() if isinstance(value, bytes) else str(value)
+            return int(text) if text.isdigit() else None
+    return None

@@ -1,15 +1,22 @@
-"""Retrying UNAVAILABLE, with exponential backoff, full jitter and the server's RetryInfo.
+"""Retrying lost calls, with exponential backoff, full jitter and the server's RetryInfo.
 
-Only ``UnavailableError`` is retried: it means the call did not take effect (the router was
-unreachable, stopping, or had no eligible worker). Every other status is an answer, and the
-deadline is a budget the caller set, so neither is retried.
+Only transient errors are retried (``_errors.is_transient``): UNAVAILABLE (the router was
+unreachable, stopping, or had no eligible worker) and an INTERNAL without status details (a
+proxy or the transport reset the stream: an HTTP/2 RST_STREAM). Every other status is an
+answer, and the deadline is a budget the caller set, so neither is retried.
 
 Retrying is only safe for idempotent calls. Every unary call of the service is one: reads,
 registration and drain are idempotent by contract, and StartSession / StartGroup carry a
 ``request_id`` that the client keeps across the attempts of one call, so a retry of a request
 that did land returns the first reply (``replayed=True``) and never takes a second slot.
 DeregisterWorker and AbortSession can answer NOT_FOUND / FAILED_PRECONDITION on a retry whose
-first attempt landed unseen; that is the only visible difference.
+first attempt landed unseen; that is the only visible difference. A reset stream may have
+landed too, so the same reasoning makes retrying it safe.
+
+The default budget (``RetryPolicy()``) is sized to outlast a router restart with journal
+recovery: 12 attempts whose waits add up to about 15 s on average (31 s at most), within the
+client's default 30 s deadline, so a call made while the router restarts waits for it instead
+of failing.
 
 gRPC's own retry (service config) is not used because it cannot honour ``RetryInfo`` and
 cannot reuse a generated request id on purpose.
@@ -24,7 +31,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from sessionrouter.client._errors import DeadlineExceededError, UnavailableError, map_rpc_errors
+from sessionrouter.client._errors import (
+    DeadlineExceededError,
+    SessionRouterError,
+    is_transient,
+    map_rpc_errors,
+)
 
 __all__ = ["Retrier", "RetryPolicy"]
 
@@ -37,7 +49,7 @@ same time by one overloaded router do not come back in lockstep."""
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """How UNAVAILABLE is retried. Times in seconds.
+    """How transient errors (UNAVAILABLE, a reset stream) are retried. Times in seconds.
 
     Attempt n (n >= 1 counts retries) waits a uniform random time in
     ``[0, min(max_backoff, initial_backoff * multiplier ** (n - 1))]`` ("full jitter", as gRPC's
@@ -46,8 +58,9 @@ class RetryPolicy:
     A call never sleeps past its deadline: if the next wait would, the last error is raised.
     """
 
-    max_attempts: int = 5
-    """Attempts in total, the first included; 1 disables retries."""
+    max_attempts: int = 12
+    """Attempts in total, the first included; 1 disables retries. The default's waits
+    (ceilings 0.1, 0.2, ... 3.2, then 5 s) add up to about 15 s on average."""
     initial_backoff: float = 0.1
     max_backoff: float = 5.0
     multiplier: float = 2.0
@@ -91,11 +104,16 @@ class Retrier:
         self._clock = clock
         self._rand = rand
 
-    async def wait(self, retry: int, error: UnavailableError) -> None:
-        """Sleeps the backoff before retry number ``retry`` after ``error``."""
-        await self._sleep(
-            self.policy.backoff(retry, retry_delay=error.retry_delay, rand=self._rand())
-        )
+    def clock(self) -> float:
+        """Monotonic seconds, from the injected clock."""
+        return self._clock()
+
+    def delay(self, retry: int, error: SessionRouterError) -> float:
+        """Seconds to wait before retry number ``retry`` after ``error``."""
+        return self.policy.backoff(retry, retry_delay=error.retry_delay, rand=self._rand())
+
+    async def sleep(self, seconds: float) -> None:
+        await self._sleep(seconds)
 
     async def call(
         self,
@@ -118,13 +136,13 @@ class Retrier:
             try:
                 with map_rpc_errors():
                     return await attempt(remaining)
-            except UnavailableError as error:
+            except SessionRouterError as error:
+                if not is_transient(error):
+                    raise
                 if attempts >= self.policy.max_attempts:
                     error.add_note(f"sessionrouter: gave up after {attempts} attempt(s)")
                     raise
-                delay = self.policy.backoff(
-                    attempts, retry_delay=error.retry_delay, rand=self._rand()
-                )
+                delay = self.delay(attempts, error)
                 if deadline is not None and self._clock() + delay >= deadline:
                     error.add_note(
                         f"sessionrouter: gave up after {attempts} attempt(s): the next wait "

@@ -1,8 +1,13 @@
 """Wiring of the running server: servicers, health, reflection, background loops, shutdown.
 
-Shutdown is graceful: the router stops taking new sessions and the health service turns
-NOT_SERVING at once (so a mesh stops sending traffic), queued groups are reduced and published,
-subscribers are told the feed closed, in-flight calls get ``grace_s`` to finish, and the
+Shutdown is graceful, in the order a Kubernetes preStop hook expects: the router stops taking
+new sessions (UNAVAILABLE with RetryInfo) and the health service turns NOT_SERVING at once, and
+for ``shutdown_delay_s`` the server keeps serving: existing calls go on and probes keep getting
+NOT_SERVING (not "connection refused"), so load balancers and meshes take the router out of
+rotation before it goes. Then the drain: reward streams stop reading and end with UNAVAILABLE
+once their acks and owed results are out, queued groups are reduced and published, feed
+subscribers end with UNAVAILABLE (ErrorInfo reason ``SHUTTING_DOWN``, so clients in any
+language reconnect), the listener closes, in-flight calls get ``grace_s`` to finish, and the
 journal is flushed last.
 
 With a journal (``ServerConfig.journal``), ``start()`` first rebuilds the router from it and
@@ -79,6 +84,10 @@ class ServerConfig:
     """Workers given at start-up are kept healthy by the server itself (they have no
     heartbeating agent); registered workers must heartbeat."""
     grace_s: float = 10.0
+    shutdown_delay_s: float = 0.0
+    """Seconds between SIGTERM (health NOT_SERVING, no new sessions) and the drain; 0 drains
+    at once. Set it to a little more than the probe period times its failure threshold (for
+    example 5 to 15 s in Kubernetes) so that traffic moves away before the listener closes."""
     tick_s: float = 0.25
     """How often heartbeat expiry and group deadlines are checked."""
     keepalive_time_s: float = 30.0
@@ -106,8 +115,10 @@ class RouterServer:
         self._failure_tasks: set[asyncio.Task[None]] = set()
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
+        self._sessions: SessionServicer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
+        self._stopping = False
         self.port = 0
         self._metrics: RouterCollector | None = None
         self._metrics_http: WSGIServer | None = None
@@ -144,9 +155,8 @@ class RouterServer:
             )
         interceptors = [TokenAuthInterceptor(cfg.auth_token)] if cfg.auth_token else []
         server = grpc.aio.server(options=options, interceptors=interceptors)
-        spb_grpc.add_SessionServiceServicer_to_server(
-            SessionServicer(self.router, self._commit), server
-        )
+        self._sessions = SessionServicer(self.router, self._commit)
+        spb_grpc.add_SessionServiceServicer_to_server(self._sessions, server)
         wpb_grpc.add_WorkerServiceServicer_to_server(
             WorkerServicer(self.router, self._commit), server
         )
@@ -273,14 +283,25 @@ class RouterServer:
             if self._metrics is not None:
                 self._metrics.refresh()
 
-    async def stop(self, grace_s: float | None = None) -> None:
-        """Graceful drain, then stop. Safe to call twice."""
+    async def stop(self, grace_s: float | None = None, delay_s: float | None = None) -> None:
+        """Shutdown delay, graceful drain, then stop (see the module docstring). ``grace_s``
+        and ``delay_s`` default to the config's. Safe to call twice."""
         if self._server is None or self._stopped.is_set():
             return
+        if self._stopping:
+            await self._stopped.wait()
+            return
+        self._stopping = True
         grace = self.config.grace_s if grace_s is None else grace_s
-        log.info("draining", extra={"event": "draining", "grace_s": grace})
+        delay = self.config.shutdown_delay_s if delay_s is None else delay_s
         self.router.accepting = False
         await self.health.enter_graceful_shutdown()
+        if delay > 0:
+            log.info("not serving", extra={"event": "not_serving", "shutdown_delay_s": delay})
+            await asyncio.sleep(delay)
+        log.info("draining", extra={"event": "draining", "grace_s": grace})
+        if self._sessions is not None:
+            self._sessions.drain()
         await self._flush_results()
         self.router.feed.close()
         await self._server.stop(grace)

@@ -100,13 +100,28 @@ def _parser() -> argparse.ArgumentParser:
         help="time in-flight calls get on shutdown (default 10)",
     )
     add(
+        "--shutdown-delay",
+        type=float,
+        dest="shutdown_delay_s",
+        metavar="SECONDS",
+        help="after SIGTERM, report NOT_SERVING and keep serving this long before draining"
+        " (the Kubernetes preStop pattern; default 0)",
+    )
+    add(
         "--max-connection-age",
         type=float,
         dest="max_connection_age_s",
         metavar="SECONDS",
         help="close client connections after this long, so clients rebalance",
     )
-    add("--keepalive-time", type=float, dest="keepalive_time_s", metavar="SECONDS")
+    add(
+        "--keepalive-time",
+        type=float,
+        dest="keepalive_time_s",
+        metavar="SECONDS",
+        help="ping idle connections this often (default 30); keep it below every proxy idle"
+        " timeout on the path (nginx grpc_read_timeout, load balancer idle timeouts)",
+    )
     add(
         "--feed-retention",
         type=int,
@@ -166,6 +181,7 @@ def _overrides(args: argparse.Namespace) -> Overrides:
         reducer_max_batch=args.reducer_max_batch,
         placement=args.placement,
         grace_s=args.grace_s,
+        shutdown_delay_s=args.shutdown_delay_s,
         max_connection_age_s=args.max_connection_age_s,
         keepalive_time_s=args.keepalive_time_s,
         auth_token=token,

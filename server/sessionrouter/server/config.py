@@ -76,6 +76,7 @@ class Overrides:
     reducer_max_batch: int | None = None
     placement: str | None = None
     grace_s: float | None = None
+    shutdown_delay_s: float | None = None
     max_connection_age_s: float | None = None
     keepalive_time_s: float | None = None
     auth_token: str | None = None
@@ -93,6 +94,7 @@ _FILE_KEYS = {
     "heartbeat_timeout_s",
     "placement",
     "grace_s",
+    "shutdown_delay_s",
     "max_connection_age_s",
     "keepalive_time_s",
     "metrics_port",
@@ -297,6 +299,11 @@ def build_config(flags: Overrides, file_data: Mapping[str, Any] | None = None) -
         router=settings,
         workers=tuple(workers),
         grace_s=_pick(flags.grace_s, _get(data, "grace_s", float, ""), base.grace_s),
+        shutdown_delay_s=_pick(
+            flags.shutdown_delay_s,
+            _get(data, "shutdown_delay_s", float, ""),
+            base.shutdown_delay_s,
+        ),
         keepalive_time_s=_pick(
             flags.keepalive_time_s, _get(data, "keepalive_time_s", float, ""), base.keepalive_time_s
         ),
@@ -309,6 +316,10 @@ def build_config(flags: Overrides, file_data: Mapping[str, Any] | None = None) -
         metrics_port=_pick(flags.metrics_port, _get(data, "metrics_port", int, ""), None),
     )
     _check_positive("grace_s", config.grace_s)
+    if not 0 <= config.shutdown_delay_s <= 3600:
+        raise ConfigError(
+            f"shutdown_delay_s must be between 0 and 3600, got {config.shutdown_delay_s}"
+        )
     return dataclasses.replace(config, journal=_journal(flags, data.get("journal", {}) or {}))
 
 

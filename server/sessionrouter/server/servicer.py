@@ -23,7 +23,7 @@ from typing import NoReturn
 import grpc
 
 from sessionrouter.server import convert, paging
-from sessionrouter.server.core.errors import InvalidArgument, RouterError
+from sessionrouter.server.core.errors import InvalidArgument, RouterError, Unavailable
 from sessionrouter.server.core.router import SessionRouter
 from sessionrouter.server.core.streams import RewardAck, RewardStream, StreamEvent
 from sessionrouter.server.status import to_status
@@ -41,6 +41,9 @@ FEED_READ_BATCH = 256
 """Groups per SubscribeGroups message, at most."""
 RESULTS_PER_MESSAGE = 256
 """Group results per SubmitRewards message, at most."""
+
+AFTER_CURSOR_HEADER = "sessionrouter-after-cursor"
+"""SubscribeGroups response header: the cursor the stream delivers after (decimal)."""
 
 MAX_UNACKED_REQUESTS = 256
 """Requests of one SubmitRewards stream applied but not yet acked (waiting for the journal)
@@ -197,6 +200,8 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
     def __init__(self, router: SessionRouter, commit: Commit = no_journal) -> None:
         self._router = router
         self._commit = commit
+        self._draining = False
+        self._reward_readers: set[asyncio.Task[None]] = set()
 
     async def StartSession(
         self, request: spb.StartSessionRequest, context: grpc.aio.ServicerContext[object, object]
@@ -280,12 +285,19 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
         request_iterator: AsyncIterable[spb.SubmitRewardsRequest],
         context: grpc.aio.ServicerContext[object, object],
     ) -> AsyncIterator[spb.SubmitRewardsResponse]:
+        if self._draining:
+            await _abort(context, self._draining_error("reward stream"))
         stream = RewardStream()
         reader = asyncio.create_task(self._read_rewards(request_iterator, stream))
+        self._reward_readers.add(reader)
+        reader.add_done_callback(self._reward_readers.discard)
         try:
             async for batch in stream.batches():
                 for response in _pack_stream_events(batch):
                     yield response
+            if reader.cancelled():
+                # Only drain() cancels a reader that is still running.
+                await _abort(context, self._draining_error("reward stream"))
             error = reader.exception() if reader.done() else None
             if isinstance(error, RouterError):
                 await _abort(context, error)
@@ -341,10 +353,12 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
         context: grpc.aio.ServicerContext[object, object],
     ) -> AsyncIterator[spb.SubscribeGroupsResponse]:
         feed = self._router.feed
-        cursor = feed.last_cursor if request.from_latest else request.after_cursor
+        after = request.after_cursor
+        cursor = feed.last_cursor if request.from_latest else feed.start_after(after)
         # Headers go out at once, so a client knows the subscription is live before the
-        # first group arrives (and can stop waiting for it to be set up).
-        await context.send_initial_metadata(())
+        # first group arrives, and where it starts: a client that asked "from latest" resumes
+        # from that cursor after a disconnect instead of skipping what it missed.
+        await context.send_initial_metadata(((AFTER_CURSOR_HEADER, str(cursor)),))
         while True:
             try:
                 batch = feed.read_after(cursor, FEED_READ_BATCH)
@@ -352,10 +366,31 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
                 await _abort(context, error)
             if not batch:
                 if not await feed.wait_beyond(cursor):
-                    return
+                    await _abort(context, self._draining_error("group feed", cursor))
                 continue
             yield spb.SubscribeGroupsResponse(groups=[convert.result_to_proto(r) for r in batch])
             cursor = batch[-1].cursor
+
+    def drain(self) -> None:
+        """Ends the intake of every SubmitRewards stream, for a graceful shutdown.
+
+        Each stream stops reading requests, still acks the ones it applied and sends the
+        group results owed to it, then ends with UNAVAILABLE (``SHUTTING_DOWN``) so that its
+        client reconnects and resends what was not acknowledged. Streams opened after this
+        end at once the same way."""
+        self._draining = True
+        for reader in self._reward_readers:
+            reader.cancel()
+
+    def _draining_error(self, what: str, cursor: int | None = None) -> Unavailable:
+        metadata = {} if cursor is None else {"cursor": cursor}
+        tail = "" if cursor is None else f" (resume after cursor {cursor})"
+        return Unavailable(
+            "SHUTTING_DOWN",
+            f"the router is shutting down and ended this {what}; reconnect{tail}",
+            retry_after_s=self._router.settings.retry_after_s,
+            metadata=metadata,
+        )
 
 
 class _DurableAcks:

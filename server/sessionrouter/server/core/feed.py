@@ -111,12 +111,22 @@ class GroupFeed:
         self._items = list(kept)
         self._first = first
 
+    def start_after(self, cursor: int) -> int:
+        """The cursor a subscription asking for the groups after ``cursor`` starts after.
+
+        0 means "from the oldest retained group", whatever was evicted before it, so it
+        becomes the cursor just before that group; any other cursor stays as it is.
+        """
+        return self._first - 1 if cursor == 0 else cursor
+
     def read_after(self, cursor: int, limit: int) -> list[GroupResult]:
         """Up to ``limit`` results with cursors greater than ``cursor``.
 
-        A cursor beyond the newest is OutOfRange (the router lost its feed, e.g. restarted
-        without a journal, and the trainer must know); so is one whose successor was evicted.
+        0 reads from the oldest retained result (``start_after``). A cursor beyond the newest
+        is OutOfRange (the router lost its feed, e.g. restarted without a journal, and the
+        trainer must know); so is one whose successor was evicted.
         """
+        cursor = self.start_after(cursor)
         if cursor > self.last_cursor:
             raise OutOfRange(
                 "CURSOR_AHEAD_OF_FEED",
