@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,11 +24,11 @@ from sessionrouter.server.config import ConfigError, Overrides, build_config
 from sessionrouter.server.core.router import RouterSettings
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
+from tests.integration.processes import RouterProcess
 from tests.support import Harness, details_of, start_harness, stop_harness
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVING = health_pb2.HealthCheckResponse.SERVING
-SESSIONROUTER = Path(sys.executable).with_name("sessionrouter")
 WORKERS = tuple(WorkerSpec(f"w{i}", f"10.0.0.{i}:1", 64) for i in range(4))
 
 
@@ -68,6 +66,20 @@ async def acked(stream: object, sequence: int) -> None:
             return
 
 
+async def groups_of(feed: object) -> list[str]:
+    """The group ids of the next SubscribeGroups message."""
+    message = await asyncio.wait_for(feed.read(), 5)  # type: ignore[attr-defined]
+    assert isinstance(message, spb.SubscribeGroupsResponse)
+    return [g.group_id for g in message.groups]
+
+
+async def read_to_the_end(stream: object) -> None:
+    """Reads a stream until it fails; a stream that ends with OK fails the test."""
+    while True:
+        message = await asyncio.wait_for(stream.read(), 5)  # type: ignore[attr-defined]
+        assert message is not grpc.aio.EOF, "a drained stream must not end with OK"
+
+
 async def test_not_serving_during_the_delay_then_drained_streams_end_unavailable() -> None:
     delay = 1.5
     h = await start_harness(RouterSettings(retry_after_s=0.5), WORKERS, shutdown_delay_s=delay)
@@ -79,7 +91,7 @@ async def test_not_serving_during_the_delay_then_drained_streams_end_unavailable
         stream = h.sessions.SubmitRewards()
         await stream.write(rewards(first, 1))
         await acked(stream, 1)
-        assert [g.group_id for g in (await asyncio.wait_for(feed.read(), 5)).groups] == ["before"]
+        assert await groups_of(feed) == ["before"]
         assert await health_of(h.address) == SERVING
 
         stopping = asyncio.create_task(h.server.stop(grace_s=2.0))
@@ -99,7 +111,7 @@ async def test_not_serving_during_the_delay_then_drained_streams_end_unavailable
         # open feed delivers it.
         await stream.write(rewards(second, 2))
         await acked(stream, 2)
-        assert [g.group_id for g in (await asyncio.wait_for(feed.read(), 5)).groups] == ["during"]
+        assert await groups_of(feed) == ["during"]
         assert time.monotonic() - began < delay - 0.2, "the checks above must fit in the delay"
 
         # The drain: both streams end with UNAVAILABLE and the reason.
@@ -110,9 +122,7 @@ async def test_not_serving_during_the_delay_then_drained_streams_end_unavailable
         assert details.metadata == {"cursor": "2"}
         assert details.retry_delay_s == pytest.approx(0.5)
         with pytest.raises(grpc.aio.AioRpcError) as ended:
-            while True:  # the second group's result may come after its ack
-                message = await asyncio.wait_for(stream.read(), 5)
-                assert message is not grpc.aio.EOF, "a drained stream must not end with OK"
+            await read_to_the_end(stream)  # the second group's result may come after its ack
         details = details_of(ended.value)
         assert (details.code, details.reason) == (grpc.StatusCode.UNAVAILABLE, "SHUTTING_DOWN")
         await asyncio.wait_for(stopping, 10)
@@ -152,41 +162,24 @@ async def test_a_reward_stream_opened_while_draining_is_told_to_reconnect() -> N
 async def test_sigterm_with_shutdown_delay_reports_not_serving_then_exits_0(
     tmp_path: Path,
 ) -> None:
-    port_file = tmp_path / "port"
-    proc = subprocess.Popen(
-        [
-            str(SESSIONROUTER),
-            "serve",
-            *("--listen", "127.0.0.1:0", "--port-file", str(port_file), "--in-memory"),
-            *("--shutdown-delay", "2", "--log-level", "warning"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    router = RouterProcess(tmp_path, "--shutdown-delay", "2")
+    address = router.start()
     try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists() and time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            await asyncio.sleep(0.05)
-        address = f"127.0.0.1:{port_file.read_text().strip()}"
         assert await health_of(address) == SERVING
-        proc.send_signal(signal.SIGTERM)
+        assert router.proc is not None
+        router.proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
         assert await health_of(address) == NOT_SERVING
-        assert proc.poll() is None, "the router must keep serving during the delay"
+        assert router.proc.poll() is None, "the router must keep serving during the delay"
         async with grpc.aio.insecure_channel(address) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await spb_grpc.SessionServiceStub(channel).StartSession(
                     spb.StartSessionRequest(task_id="t"), timeout=5
                 )
         assert details_of(refused.value).reason == "SHUTTING_DOWN"
-        assert await asyncio.to_thread(proc.wait, 30) == 0
+        assert await asyncio.to_thread(router.proc.wait, 30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-        if proc.stderr is not None:
-            proc.stderr.close()
+        router.stop()
 
 
 @pytest.mark.parametrize(

@@ -44,17 +44,17 @@ class Follower:
         async for result in self._feed:
             self.results.append(result)
 
-    async def until(self, count: int, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
+    async def until(self, count: int, within: float = 60) -> None:
+        deadline = time.monotonic() + within
         while len(self.results) < count:
             if self._task.done():
                 self._task.result()  # raises what ended the feed
             assert time.monotonic() < deadline, f"{len(self.results)} of {count} groups arrived"
             await asyncio.sleep(0.02)
 
-    async def until_retry(self, cursor: int, timeout: float = 60) -> None:
+    async def until_retry(self, cursor: int, within: float = 60) -> None:
         """Waits for a retry that resumes after ``cursor``."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within
         while not any(c == cursor for _, c in self.retries):
             assert time.monotonic() < deadline, f"no retry after cursor {cursor}: {self.retries}"
             await asyncio.sleep(0.02)
