@@ -626,12 +626,16 @@ class SubscribeGroupsRequest(_message.Message):
     AFTER_CURSOR_FIELD_NUMBER: _builtins.int
     FROM_LATEST_FIELD_NUMBER: _builtins.int
     after_cursor: _builtins.int
-    """Deliver groups with a cursor greater than this one: 0 from the oldest retained group, or
-    the last cursor the trainer processed. A cursor older than the retained feed is
-    OUT_OF_RANGE (the details give the oldest retained cursor).
+    """Deliver groups with a cursor greater than this one: 0 from the oldest retained group
+    (whatever was evicted before it), or the last cursor the trainer processed. A nonzero
+    cursor older than the retained feed is OUT_OF_RANGE (the details give the oldest retained
+    cursor); one beyond the newest is OUT_OF_RANGE too (CURSOR_AHEAD_OF_FEED).
     """
     from_latest: _builtins.bool
-    """Skip the retained backlog and deliver only groups finalized from now on."""
+    """Skip the retained backlog and deliver only groups finalized from now on (after_cursor is
+    then ignored). On reconnect, resume with the cursor of the response header or of the last
+    group received, not with from_latest again.
+    """
     def __init__(
         self,
         *,

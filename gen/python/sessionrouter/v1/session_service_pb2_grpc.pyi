@@ -42,7 +42,20 @@ class SessionServiceStub:
     - ALREADY_EXISTS: StartGroup with the id of an existing group.
     - RESOURCE_EXHAUSTED: strict placement and fewer eligible workers than members.
     - UNAVAILABLE: no eligible worker at all (none registered, healthy, undrained, with a free
-      slot), or the router is shutting down; retry after the RetryInfo delay.
+      slot), or the router is shutting down (ErrorInfo reason SHUTTING_DOWN); retry after the
+      RetryInfo delay.
+
+    Shutdown: after SIGTERM the router reports NOT_SERVING on grpc.health.v1 and, for its
+    shutdown delay, keeps serving the calls already open while new sessions get UNAVAILABLE
+    (SHUTTING_DOWN, with RetryInfo). Then it drains: SubmitRewards and SubscribeGroups streams
+    end with UNAVAILABLE, ErrorInfo reason SHUTTING_DOWN and a RetryInfo delay, never with OK,
+    so a client in any language knows to reconnect (to another replica, or to this one once it
+    is back).
+
+    Behind a proxy, keep the server's keepalive time below every idle timeout on the path (for
+    nginx, grpc_read_timeout): a stream the proxy resets arrives as INTERNAL without status
+    details (RST_STREAM). Clients treat that like UNAVAILABLE where retrying is safe: feed
+    streams resume by cursor, starts carry a request_id, and rewards are idempotent.
     """
 
     @_typing.overload
@@ -70,11 +83,19 @@ class SessionServiceStub:
     stream. When a reward completes a group, the group's result (advantages included) is
     sent on this stream in `group_results`, and on the feed of SubscribeGroups. After the
     client half-closes, the server still sends the results owed, then ends the stream.
+    A draining router stops reading requests, acks the ones it applied, sends the results
+    owed, then ends the stream with UNAVAILABLE (SHUTTING_DOWN): resend on a new stream every
+    entry not acknowledged; a reward already recorded comes back DUPLICATE.
     """
     SubscribeGroups: _grpc.UnaryStreamMultiCallable[_session_service_pb2.SubscribeGroupsRequest, _session_service_pb2.SubscribeGroupsResponse]
     """Streams every finalized or dropped group, in cursor order, starting after `after_cursor`.
     A trainer that reconnects with the last cursor it processed misses nothing and receives
-    nothing twice. The stream stays open and delivers new groups as they finalize.
+    nothing twice. The stream stays open and delivers new groups as they finalize; a serving
+    router never ends it. The response headers carry `sessionrouter-after-cursor`: the
+    cursor the stream starts after (the newest cursor for from_latest, the one before the
+    oldest retained group for after_cursor 0), so a client that asked from_latest resumes
+    from there after a disconnect instead of skipping the groups it missed. A draining router
+    ends the stream with UNAVAILABLE (SHUTTING_DOWN, metadata `cursor`: the last cursor sent).
     """
 
 @_typing.type_check_only
@@ -94,7 +115,20 @@ class SessionServiceAsyncStub(SessionServiceStub):
     - ALREADY_EXISTS: StartGroup with the id of an existing group.
     - RESOURCE_EXHAUSTED: strict placement and fewer eligible workers than members.
     - UNAVAILABLE: no eligible worker at all (none registered, healthy, undrained, with a free
-      slot), or the router is shutting down; retry after the RetryInfo delay.
+      slot), or the router is shutting down (ErrorInfo reason SHUTTING_DOWN); retry after the
+      RetryInfo delay.
+
+    Shutdown: after SIGTERM the router reports NOT_SERVING on grpc.health.v1 and, for its
+    shutdown delay, keeps serving the calls already open while new sessions get UNAVAILABLE
+    (SHUTTING_DOWN, with RetryInfo). Then it drains: SubmitRewards and SubscribeGroups streams
+    end with UNAVAILABLE, ErrorInfo reason SHUTTING_DOWN and a RetryInfo delay, never with OK,
+    so a client in any language knows to reconnect (to another replica, or to this one once it
+    is back).
+
+    Behind a proxy, keep the server's keepalive time below every idle timeout on the path (for
+    nginx, grpc_read_timeout): a stream the proxy resets arrives as INTERNAL without status
+    details (RST_STREAM). Clients treat that like UNAVAILABLE where retrying is safe: feed
+    streams resume by cursor, starts carry a request_id, and rewards are idempotent.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -119,11 +153,19 @@ class SessionServiceAsyncStub(SessionServiceStub):
     stream. When a reward completes a group, the group's result (advantages included) is
     sent on this stream in `group_results`, and on the feed of SubscribeGroups. After the
     client half-closes, the server still sends the results owed, then ends the stream.
+    A draining router stops reading requests, acks the ones it applied, sends the results
+    owed, then ends the stream with UNAVAILABLE (SHUTTING_DOWN): resend on a new stream every
+    entry not acknowledged; a reward already recorded comes back DUPLICATE.
     """
     SubscribeGroups: _aio.UnaryStreamMultiCallable[_session_service_pb2.SubscribeGroupsRequest, _session_service_pb2.SubscribeGroupsResponse]  # type: ignore[assignment]
     """Streams every finalized or dropped group, in cursor order, starting after `after_cursor`.
     A trainer that reconnects with the last cursor it processed misses nothing and receives
-    nothing twice. The stream stays open and delivers new groups as they finalize.
+    nothing twice. The stream stays open and delivers new groups as they finalize; a serving
+    router never ends it. The response headers carry `sessionrouter-after-cursor`: the
+    cursor the stream starts after (the newest cursor for from_latest, the one before the
+    oldest retained group for after_cursor 0), so a client that asked from_latest resumes
+    from there after a disconnect instead of skipping the groups it missed. A draining router
+    ends the stream with UNAVAILABLE (SHUTTING_DOWN, metadata `cursor`: the last cursor sent).
     """
 
 class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -142,7 +184,20 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
     - ALREADY_EXISTS: StartGroup with the id of an existing group.
     - RESOURCE_EXHAUSTED: strict placement and fewer eligible workers than members.
     - UNAVAILABLE: no eligible worker at all (none registered, healthy, undrained, with a free
-      slot), or the router is shutting down; retry after the RetryInfo delay.
+      slot), or the router is shutting down (ErrorInfo reason SHUTTING_DOWN); retry after the
+      RetryInfo delay.
+
+    Shutdown: after SIGTERM the router reports NOT_SERVING on grpc.health.v1 and, for its
+    shutdown delay, keeps serving the calls already open while new sessions get UNAVAILABLE
+    (SHUTTING_DOWN, with RetryInfo). Then it drains: SubmitRewards and SubscribeGroups streams
+    end with UNAVAILABLE, ErrorInfo reason SHUTTING_DOWN and a RetryInfo delay, never with OK,
+    so a client in any language knows to reconnect (to another replica, or to this one once it
+    is back).
+
+    Behind a proxy, keep the server's keepalive time below every idle timeout on the path (for
+    nginx, grpc_read_timeout): a stream the proxy resets arrives as INTERNAL without status
+    details (RST_STREAM). Clients treat that like UNAVAILABLE where retrying is safe: feed
+    streams resume by cursor, starts carry a request_id, and rewards are idempotent.
     """
 
     @_abc_1.abstractmethod
@@ -207,6 +262,9 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         stream. When a reward completes a group, the group's result (advantages included) is
         sent on this stream in `group_results`, and on the feed of SubscribeGroups. After the
         client half-closes, the server still sends the results owed, then ends the stream.
+        A draining router stops reading requests, acks the ones it applied, sends the results
+        owed, then ends the stream with UNAVAILABLE (SHUTTING_DOWN): resend on a new stream every
+        entry not acknowledged; a reward already recorded comes back DUPLICATE.
         """
 
     @_abc_1.abstractmethod
@@ -217,7 +275,12 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_session_service_pb2.SubscribeGroupsResponse], _abc.AsyncIterator[_session_service_pb2.SubscribeGroupsResponse]]:
         """Streams every finalized or dropped group, in cursor order, starting after `after_cursor`.
         A trainer that reconnects with the last cursor it processed misses nothing and receives
-        nothing twice. The stream stays open and delivers new groups as they finalize.
+        nothing twice. The stream stays open and delivers new groups as they finalize; a serving
+        router never ends it. The response headers carry `sessionrouter-after-cursor`: the
+        cursor the stream starts after (the newest cursor for from_latest, the one before the
+        oldest retained group for after_cursor 0), so a client that asked from_latest resumes
+        from there after a disconnect instead of skipping the groups it missed. A draining router
+        ends the stream with UNAVAILABLE (SHUTTING_DOWN, metadata `cursor`: the last cursor sent).
         """
 
 def add_SessionServiceServicer_to_server(servicer: SessionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
