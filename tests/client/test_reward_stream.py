@@ -16,6 +16,8 @@ from google.rpc import error_details_pb2
 from sessionrouter.client import (
     GroupOutcome,
     InternalError,
+    InvalidArgumentError,
+    RewardResult,
     RewardStatus,
     SessionRouterClient,
     StreamClosedError,
@@ -186,11 +188,12 @@ async def test_group_results_reach_results_and_watchers_even_after_the_last_ack(
 async def test_a_dying_stream_fails_every_pending_entry_with_the_mapped_error(
     client: SessionRouterClient, router: RouterSide
 ) -> None:
+    """Without reconnect (as ``submit_rewards`` uses it, retrying as a whole)."""
     info = error_details_pb2.ErrorInfo(reason="SHUTTING_DOWN")
     trailer = status_trailer(grpc.StatusCode.UNAVAILABLE, "router stopping", info)
 
     async def trainer() -> None:
-        async with client.reward_stream(max_delay=0.05) as rs:
+        async with client.reward_stream(max_delay=0.05, reconnect=False) as rs:
             outcomes = await asyncio.gather(
                 rs.submit(name(0), 1.0), rs.submit(name(1), 0.5), return_exceptions=True
             )
@@ -344,5 +347,82 @@ async def test_submit_after_a_normal_close_says_closed(
     async def server() -> None:
         await router.accept()
         await router.finish()
+
+    await asyncio.gather(trainer(), server())
+
+
+async def test_a_lost_stream_is_reopened_and_what_was_not_acknowledged_resent(
+    client: SessionRouterClient, router: RouterSide
+) -> None:
+    """The router drains after recording the second reward but before acking it: the client
+    resends it on a new stream, where it comes back DUPLICATE, which is ok."""
+    info = error_details_pb2.ErrorInfo(reason="SHUTTING_DOWN", domain="sessionrouter.dev")
+    trailer = status_trailer(grpc.StatusCode.UNAVAILABLE, "shutting down", info)
+
+    async def trainer() -> tuple[RewardResult, RewardResult, BaseException]:
+        async with client.reward_stream(max_delay=0.0) as rs:
+            watched = rs.watch_group("g1")
+            first = await rs.submit(name(0), 1.0)
+            second = await rs.submit(name(1), 0.0)
+        lost = watched.exception()
+        assert lost is not None
+        return first, second, lost
+
+    async def server() -> list[spb.SubmitRewardsRequest]:
+        await router.accept()
+        one = await router.request()
+        router.ack(one)
+        two = await router.request()
+        router.end(grpc.StatusCode.UNAVAILABLE, "shutting down", trailer)
+        await router.accept()
+        resent = await router.request()
+        router.ack(resent, spb.REWARD_STATUS_DUPLICATE)
+        await router.finish()
+        return [one, two, resent]
+
+    (first, second, lost), (one, two, resent) = await asyncio.gather(trainer(), server())
+    assert first.status is RewardStatus.ACCEPTED
+    assert second.status is RewardStatus.DUPLICATE and second.ok
+    assert list(resent.entries) == list(two.entries)
+    assert resent.sequence > two.sequence > one.sequence
+    # A watched group's result may have been on the lost stream: its watcher is told.
+    assert isinstance(lost, StreamClosedError) and "feed" in str(lost)
+
+
+async def test_reconnects_stop_after_max_attempts_lost_streams_in_a_row(
+    client: SessionRouterClient, router: RouterSide
+) -> None:
+    """The client's policy allows 3 attempts: the third lost stream fails the entry."""
+
+    async def trainer() -> None:
+        async with client.reward_stream(max_delay=0.0) as rs:
+            with pytest.raises(UnavailableError, match="down") as caught:
+                await rs.submit(name(0), 1.0)
+        assert any("3 tries" in note for note in caught.value.__notes__)
+
+    async def server() -> None:
+        for _ in range(3):
+            await router.accept()
+            await router.request()
+            router.end(grpc.StatusCode.UNAVAILABLE, "down")
+
+    await asyncio.gather(trainer(), server())
+
+
+async def test_an_answer_from_the_router_is_not_a_reason_to_reconnect(
+    client: SessionRouterClient, router: RouterSide
+) -> None:
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    info = error_details_pb2.ErrorInfo(reason="TOO_MANY_ENTRIES", domain="sessionrouter.dev")
+
+    async def trainer() -> None:
+        async with client.reward_stream(max_delay=0.0) as rs:
+            with pytest.raises(InvalidArgumentError):
+                await rs.submit(name(0), 1.0)
+
+    async def server() -> None:
+        await router.accept()
+        await router.request()
+        router.end(code, "too many", status_trailer(code, "too many", info))
 
     await asyncio.gather(trainer(), server())

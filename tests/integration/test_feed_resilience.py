@@ -6,6 +6,7 @@ by the proxy (INTERNAL, RST_STREAM). Two subscribers follow the feed through the
 typed client, one from ``after_cursor=0`` and one ``from_latest``; the router is restarted
 three times on the same port and the feed is left idle past the proxy's timeout once. Each
 subscriber must receive every group finalized after its start exactly once, in cursor order.
+The producer's rewards go over one reward stream, which reopens itself after each restart.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from sessionrouter.client import GroupResult, SessionRouterClient, SessionRouterError
+from sessionrouter.client import (
+    GroupResult,
+    RewardStream,
+    SessionRouterClient,
+    SessionRouterError,
+)
 from tests.integration.processes import router_behind_nginx
 
 READ_TIMEOUT_S = 2.0
@@ -66,22 +72,29 @@ class Follower:
         await self._feed.aclose()
 
 
-async def produce(client: SessionRouterClient, tag: str, count: int) -> list[str]:
-    """Starts and rewards ``count`` groups of two; returns their ids in finalization order."""
+async def produce(
+    client: SessionRouterClient, stream: RewardStream, tag: str, count: int
+) -> list[str]:
+    """Starts and rewards ``count`` groups of two; returns their ids in finalization order.
+    The rewards go over one reward stream that lives through every restart."""
     ids = []
     for i in range(count):
         started = await client.start_group("prompt", 2, group_id=f"{tag}-{i}")
-        rewards = {s.name: float(j) for j, s in enumerate(started.sessions)}
-        result = await client.submit_rewards(rewards)
-        assert all(r.ok for r in result.results)
+        results = await stream.submit_many(
+            [(s.name, float(j)) for j, s in enumerate(started.sessions)]
+        )
+        assert all(r.ok for r in results)
         ids.append(started.group_id)
     return ids
 
 
 async def test_feed_survives_three_restarts_and_a_proxy_cut(tmp_path: Path) -> None:
     with router_behind_nginx(tmp_path, READ_TIMEOUT_S) as (router, nginx):
-        async with SessionRouterClient.connect(nginx.target) as client:
-            produced = await produce(client, "p0", 2)
+        async with (
+            SessionRouterClient.connect(nginx.target) as client,
+            client.reward_stream(keep_results=False) as stream,
+        ):
+            produced = await produce(client, stream, "p0", 2)
             everything = Follower(client, after_cursor=0)
             await everything.until(2)
             latest = Follower(client, from_latest=True)
@@ -92,13 +105,13 @@ async def test_feed_survives_three_restarts_and_a_proxy_cut(tmp_path: Path) -> N
             # The from_latest subscriber resumes after the cursor the router named (2), not
             # "from latest" again: the groups made while it is away cannot be skipped.
             await latest.until_retry(2)
-            produced += await produce(client, "p1", 3)
+            produced += await produce(client, stream, "p1", 3)
             await everything.until(5)
             await latest.until(3)
 
             # Idle past nginx's read timeout: the proxy resets both streams (INTERNAL).
             await asyncio.sleep(READ_TIMEOUT_S * 1.75)
-            produced += await produce(client, "p2", 2)
+            produced += await produce(client, stream, "p2", 2)
             await everything.until(7)
             await latest.until(5)
             for follower in (everything, latest):
@@ -109,7 +122,7 @@ async def test_feed_survives_three_restarts_and_a_proxy_cut(tmp_path: Path) -> N
                 for follower in (everything, latest):
                     # Each sees this restart (its stream was open), and resumes after it.
                     await follower.until_retry(len(produced))
-                produced += await produce(client, tag, 2)
+                produced += await produce(client, stream, tag, 2)
                 await everything.until(len(produced))
                 await latest.until(len(produced) - 2)
             await asyncio.sleep(0.3)  # nothing more may arrive

@@ -94,9 +94,12 @@ async def test_drain_turns_health_not_serving_and_refuses_new_sessions() -> None
         await subscriber.initial_metadata()
         stopping = asyncio.create_task(h.server.stop(grace_s=2))
         assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
-        # The feed closes: subscribers end cleanly instead of hanging until the grace ends.
-        assert await asyncio.wait_for(subscriber.read(), 5) is grpc.aio.EOF
-        assert await subscriber.code() == grpc.StatusCode.OK
+        # The feed closes: subscribers are told to reconnect (UNAVAILABLE, SHUTTING_DOWN)
+        # instead of hanging until the grace ends, or ending as if the feed were over.
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await asyncio.wait_for(subscriber.read(), 5)
+        assert details_of(ended.value).reason == "SHUTTING_DOWN"
+        assert await subscriber.code() == grpc.StatusCode.UNAVAILABLE
         await stopping
     finally:
         await extra.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import (
     AsyncGenerator,
@@ -373,16 +374,22 @@ class SessionRouterClient:
         keep_results: bool = True,
         close_timeout: float | None = 10.0,
         timeout: float | None = None,
+        reconnect: bool = True,
     ) -> RewardStream:
         """A long-lived SubmitRewards stream for concurrent submitters; see ``RewardStream``.
 
-        ``timeout`` (seconds) is a deadline for the whole stream; ``None`` for none.
+        ``timeout`` (seconds) is a deadline for the whole stream, reconnects included;
+        ``None`` for none. With ``reconnect`` (the default) a stream lost to a restart, a drain
+        or a proxy is reopened under the client's retry policy and the unacknowledged entries
+        are resent (safe: a recorded reward comes back DUPLICATE).
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
 
         def open_call() -> grpc.aio.StreamStreamCall[
             spb.SubmitRewardsRequest, spb.SubmitRewardsResponse
         ]:
-            return self._sessions.SubmitRewards(timeout=timeout, metadata=self._metadata)
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return self._sessions.SubmitRewards(timeout=remaining, metadata=self._metadata)
 
         return RewardStream(
             open_call,
@@ -390,6 +397,7 @@ class SessionRouterClient:
             max_delay=max_delay,
             keep_results=keep_results,
             close_timeout=close_timeout,
+            retrier=self._retrier if reconnect else None,
         )
 
     async def submit_rewards(
@@ -409,7 +417,9 @@ class SessionRouterClient:
         entries = list(rewards.items() if isinstance(rewards, Mapping) else rewards)
 
         async def attempt(remaining: float | None) -> SubmitRewardsResult:
-            stream = self.reward_stream(max_batch=4096, max_delay=0.0, timeout=remaining)
+            stream = self.reward_stream(
+                max_batch=4096, max_delay=0.0, timeout=remaining, reconnect=False
+            )
             async with stream:
                 results = await stream.submit_many(entries)
             return SubmitRewardsResult(

@@ -6,8 +6,17 @@ the entries that arrive within ``max_delay`` seconds (at most ``max_batch`` of t
 ``SubmitRewardsRequest``, gives it a fresh ``sequence``, and resolves each submitter's future
 from the matching ack (``results[i]`` answers ``entries[i]``).
 
-Nothing is dropped silently: when the stream fails, every entry not yet acknowledged fails
-with the mapped error (``StreamClosedError`` when the stream simply ended), later submits
+When the stream is lost on the way (UNAVAILABLE, a draining router's ``SHUTTING_DOWN``, a
+proxy's reset; see ``_errors.is_transient``) and the stream was given a ``Retrier``, it opens a
+new stream after the retry policy's backoff and resends every entry not yet acknowledged, in
+order. That is safe because rewards are idempotent per session: an entry the lost stream did
+record comes back ``DUPLICATE``, which ``RewardResult.ok`` counts as success. What cannot be
+resent is a group result that was on its way on the lost stream: the watchers registered at
+that moment fail with ``StreamClosedError`` (the result is on the feed), and ``results()`` does
+not see it. ``max_attempts`` failed streams in a row (no ack in between) end the retries.
+
+Nothing is dropped silently: when the stream fails for good, every entry not yet acknowledged
+fails with the mapped error (``StreamClosedError`` when the stream simply ended), later submits
 raise it too, and ``results()`` raises it after the last result it delivered.
 """
 
@@ -15,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
@@ -27,13 +37,17 @@ from sessionrouter.client._errors import (
     InternalError,
     SessionRouterError,
     StreamClosedError,
+    is_transient,
     map_rpc_errors,
 )
+from sessionrouter.client._retry import Retrier
 from sessionrouter.client.types import GroupResult, RewardResult
 from sessionrouter.v1 import resources_pb2
 from sessionrouter.v1 import session_service_pb2 as pb
 
 __all__ = ["RewardStream"]
+
+_log = logging.getLogger("sessionrouter.client.rewards")
 
 RewardCall = grpc.aio.StreamStreamCall[pb.SubmitRewardsRequest, pb.SubmitRewardsResponse]
 
@@ -69,16 +83,21 @@ class RewardStream:
         max_delay: float = 0.005,
         keep_results: bool = True,
         close_timeout: float | None = 10.0,
+        retrier: Retrier | None = None,
     ) -> None:
         """
         Args:
-            open_call: starts the SubmitRewards call (the client passes its stub and metadata).
+            open_call: starts a SubmitRewards call (the client passes its stub and metadata);
+                called again for each reconnect.
             max_batch: most entries per request, 1 to 4096.
             max_delay: seconds an entry may wait for company before its request is sent; the
                 window opens when the first entry of a batch arrives. 0 sends what is queued.
             keep_results: queue the group results that arrive, for ``results()``. Turn off
                 when nobody reads them (they are on the feed too), or they pile up in memory.
-            close_timeout: seconds a normal close waits for acks and the end of the stream.
+            close_timeout: seconds a normal close waits for acks and the end of the stream,
+                reconnects included.
+            retrier: reconnects a lost stream under its policy and resends what was not
+                acknowledged; None fails the unacknowledged entries at once instead.
         """
         if not 1 <= max_batch <= MAX_ENTRIES_PER_REQUEST:
             raise ValueError(f"max_batch must be 1 to {MAX_ENTRIES_PER_REQUEST}, got {max_batch}")
@@ -89,6 +108,9 @@ class RewardStream:
         self._max_delay = max_delay
         self._keep_results = keep_results
         self._close_timeout = close_timeout
+        self._retrier = retrier
+        self._failures = 0
+        """Streams lost in a row, without an ack in between."""
         self._call: RewardCall | None = None
         self._queued: list[_Pending] = []
         self._inflight: dict[int, list[_Pending]] = {}
@@ -104,10 +126,7 @@ class RewardStream:
 
     async def __aenter__(self) -> Self:
         self._call = self._open_call()
-        self._tasks = [
-            asyncio.create_task(self._send_loop(), name="sessionrouter-reward-send"),
-            asyncio.create_task(self._read_loop(), name="sessionrouter-reward-read"),
-        ]
+        self._tasks = [asyncio.create_task(self._run(), name="sessionrouter-reward-stream")]
         return self
 
     async def __aexit__(
@@ -214,8 +233,91 @@ class RewardStream:
     async def _enqueue(self, entry: pb.RewardEntry) -> RewardResult:
         return await self._enqueue_nowait(entry)
 
-    async def _send_loop(self) -> None:
-        assert self._call is not None
+    async def _run(self) -> None:
+        """One call after another: reads each until it ends, and reconnects while allowed."""
+        try:
+            while True:
+                call = self._call
+                assert call is not None
+                sender = asyncio.create_task(
+                    self._send_loop(call), name="sessionrouter-reward-send"
+                )
+                try:
+                    lost = await self._read_loop(call)
+                finally:
+                    if not sender.done():
+                        sender.cancel()
+                    await asyncio.gather(sender, return_exceptions=True)
+                if lost is None or not self._reconnect(lost):
+                    return
+                if not self._queued:
+                    # Nothing was lost: open the next stream when there is something to send,
+                    # so an idle stream does not spend its retries while the router is away.
+                    _log.info("reward stream lost (%s); reopening it on the next submit", lost)
+                    self._failures = 0
+                    self._has_work.clear()
+                    await self._has_work.wait()
+                    if self._failure is not None:
+                        return
+                    if not self._queued:  # closed with nothing left to send
+                        self._abort(StreamClosedError("the reward stream is closed"))
+                        return
+                else:
+                    assert self._retrier is not None
+                    delay = self._retrier.delay(self._failures, lost)
+                    _log.warning(
+                        "reward stream lost (%s); resending %d unacknowledged entries on a new"
+                        " stream in %.2fs (failure %d)",
+                        lost,
+                        len(self._queued),
+                        delay,
+                        self._failures,
+                    )
+                    await self._retrier.sleep(delay)
+                    if self._failure is not None:
+                        return  # aborted while waiting
+                self._call = self._open_call()
+                self._has_work.set()
+        finally:
+            self._results.put_nowait(_End())
+
+    def _reconnect(self, lost: SessionRouterError) -> bool:
+        """Decides what a lost call means; True after requeueing what it left unacknowledged
+        (the caller then opens the next call), False once the stream ended for good."""
+        unacked = bool(self._inflight) or bool(self._queued)
+        if self._closing and not unacked and lost.reason == "SHUTTING_DOWN":
+            # A draining router sends every result owed before it ends the stream: done.
+            self._abort(StreamClosedError("the reward stream ended with the router's drain"))
+            return False
+        self._failures += 1
+        if (
+            self._retrier is None
+            or not is_transient(lost)
+            or self._failure is not None
+            or (self._closing and not unacked)
+            or self._failures >= self._retrier.policy.max_attempts
+        ):
+            if self._retrier is not None and self._failures > 1:
+                lost.add_note(f"sessionrouter: reward stream gave up after {self._failures} tries")
+            self._abort(lost)
+            return False
+        resend = [p for seq in sorted(self._inflight) for p in self._inflight[seq]]
+        self._inflight.clear()
+        self._queued[:0] = [p for p in resend if not p.future.done()]
+        if self._call is not None:
+            self._call.cancel()
+        gone = StreamClosedError(
+            "the reward stream reconnected: a group result sent on the lost stream is only"
+            " on the feed"
+        )
+        for watchers in self._group_watchers.values():
+            for future in watchers:
+                if not future.done():
+                    future.set_exception(gone)
+        self._group_watchers.clear()
+        return True
+
+    async def _send_loop(self, call: RewardCall) -> None:
         backlog = False
         try:
             while True:
@@ -248,40 +350,45 @@ class RewardStream:
                     entries=[p.entry for p in live], sequence=sequence
                 )
                 with map_rpc_errors():
-                    await self._call.write(request)
+                    await call.write(request)
             with map_rpc_errors():
-                await self._call.done_writing()
-        except SessionRouterError as error:
-            self._abort(error)
-        except (asyncio.InvalidStateError, grpc.aio.UsageError) as error:
-            # Writing to a call that already ended: the read loop holds the real reason.
-            self._abort(StreamClosedError(f"the reward stream ended while sending: {error}"))
+                await call.done_writing()
+        except (SessionRouterError, asyncio.InvalidStateError, grpc.aio.UsageError):
+            # Writing to a call that already ended: the read loop sees how it ended, and the
+            # entries of an unacknowledged write are resent or failed from there.
+            return
         except Exception as error:
             self._abort(_unexpected(error))
 
-    async def _read_loop(self) -> None:
-        assert self._call is not None
+    async def _read_loop(self, call: RewardCall) -> SessionRouterError | None:
+        """Reads ``call`` to its end; returns why it was lost, or None when it ended the
+        stream for good (closed normally, or a broken contract)."""
         try:
             with map_rpc_errors():
                 while True:
-                    message = await self._call.read()
+                    message = await call.read()
                     if not isinstance(message, pb.SubmitRewardsResponse):
                         break  # grpc.aio.EOF: the router ended the stream normally
                     # A message may carry an ack, group results, or both; the ack of the
                     # request that finalized a group never comes after that group's result.
                     if message.HasField("ack"):
+                        self._failures = 0
                         self._on_ack(message.ack)
                     for group_result in message.group_results:
                         self._on_group_result(group_result)
             self._abort(
                 StreamClosedError("the router ended the reward stream before acknowledging")
             )
+        except InternalError as error:
+            if error.code is None:  # raised by _on_ack: the router broke the contract
+                self._abort(error)
+                return None
+            return error
         except SessionRouterError as error:
-            self._abort(error)
+            return error
         except Exception as error:
             self._abort(_unexpected(error))
-        finally:
-            self._results.put_nowait(_End())
+        return None
 
     def _on_ack(self, ack: pb.RewardAck) -> None:
         pending = self._inflight.pop(ack.sequence, None)
