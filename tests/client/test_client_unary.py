@@ -57,6 +57,7 @@ SESSION = rpb.Session(
 GROUP = rpb.Group(group_id="g1", name="groups/g1", task_id="t1", group_size=1, members=[SESSION])
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+INTERNAL = grpc.StatusCode.INTERNAL
 
 
 def full_path(name: str) -> str:
@@ -118,8 +119,9 @@ async def test_start_session_request_id_is_generated_and_reused_across_retries(
 ) -> None:
     async def flaky_server() -> list[spb.StartSessionRequest]:
         seen = []
-        for _ in range(2):
-            _, request = await fake.reply("StartSession", code=UNAVAILABLE, details="restarting")
+        # A restarting router, then a proxy's reset (INTERNAL without details): both retried.
+        for code, details in ((UNAVAILABLE, "restarting"), (INTERNAL, "RST_STREAM")):
+            _, request = await fake.reply("StartSession", code=code, details=details)
             seen.append(request)
         reply = spb.StartSessionResponse(session=SESSION, group_size=1, replayed=True)
         _, request = await fake.reply("StartSession", reply)
