@@ -1161,11 +1161,14 @@ func (x *SubmitRewardsResponse) GetGroupResults() []*GroupResult {
 
 type SubscribeGroupsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// Deliver groups with a cursor greater than this one: 0 from the oldest retained group, or
-	// the last cursor the trainer processed. A cursor older than the retained feed is
-	// OUT_OF_RANGE (the details give the oldest retained cursor).
+	// Deliver groups with a cursor greater than this one: 0 from the oldest retained group
+	// (whatever was evicted before it), or the last cursor the trainer processed. A nonzero
+	// cursor older than the retained feed is OUT_OF_RANGE (the details give the oldest retained
+	// cursor); one beyond the newest is OUT_OF_RANGE too (CURSOR_AHEAD_OF_FEED).
 	AfterCursor uint64 `protobuf:"varint,1,opt,name=after_cursor,json=afterCursor,proto3" json:"after_cursor,omitempty"`
-	// Skip the retained backlog and deliver only groups finalized from now on.
+	// Skip the retained backlog and deliver only groups finalized from now on (after_cursor is
+	// then ignored). On reconnect, resume with the cursor of the response header or of the last
+	// group received, not with from_latest again.
 	FromLatest    bool `protobuf:"varint,2,opt,name=from_latest,json=fromLatest,proto3" json:"from_latest,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

@@ -50,7 +50,20 @@ const (
 //   - ALREADY_EXISTS: StartGroup with the id of an existing group.
 //   - RESOURCE_EXHAUSTED: strict placement and fewer eligible workers than members.
 //   - UNAVAILABLE: no eligible worker at all (none registered, healthy, undrained, with a free
-//     slot), or the router is shutting down; retry after the RetryInfo delay.
+//     slot), or the router is shutting down (ErrorInfo reason SHUTTING_DOWN); retry after the
+//     RetryInfo delay.
+//
+// Shutdown: after SIGTERM the router reports NOT_SERVING on grpc.health.v1 and, for its
+// shutdown delay, keeps serving the calls already open while new sessions get UNAVAILABLE
+// (SHUTTING_DOWN, with RetryInfo). Then it drains: SubmitRewards and SubscribeGroups streams
+// end with UNAVAILABLE, ErrorInfo reason SHUTTING_DOWN and a RetryInfo delay, never with OK,
+// so a client in any language knows to reconnect (to another replica, or to this one once it
+// is back).
+//
+// Behind a proxy, keep the server's keepalive time below every idle timeout on the path (for
+// nginx, grpc_read_timeout): a stream the proxy resets arrives as INTERNAL without status
+// details (RST_STREAM). Clients treat that like UNAVAILABLE where retrying is safe: feed
+// streams resume by cursor, starts carry a request_id, and rewards are idempotent.
 type SessionServiceClient interface {
 	// Starts one session and places it on a worker. Without group_id a new group is made; with
 	// a known group_id the session joins that group; with an unknown group_id a group with
@@ -71,10 +84,18 @@ type SessionServiceClient interface {
 	// stream. When a reward completes a group, the group's result (advantages included) is
 	// sent on this stream in `group_results`, and on the feed of SubscribeGroups. After the
 	// client half-closes, the server still sends the results owed, then ends the stream.
+	// A draining router stops reading requests, acks the ones it applied, sends the results
+	// owed, then ends the stream with UNAVAILABLE (SHUTTING_DOWN): resend on a new stream every
+	// entry not acknowledged; a reward already recorded comes back DUPLICATE.
 	SubmitRewards(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[SubmitRewardsRequest, SubmitRewardsResponse], error)
 	// Streams every finalized or dropped group, in cursor order, starting after `after_cursor`.
 	// A trainer that reconnects with the last cursor it processed misses nothing and receives
-	// nothing twice. The stream stays open and delivers new groups as they finalize.
+	// nothing twice. The stream stays open and delivers new groups as they finalize; a serving
+	// router never ends it. The response headers carry `sessionrouter-after-cursor`: the
+	// cursor the stream starts after (the newest cursor for from_latest, the one before the
+	// oldest retained group for after_cursor 0), so a client that asked from_latest resumes
+	// from there after a disconnect instead of skipping the groups it missed. A draining router
+	// ends the stream with UNAVAILABLE (SHUTTING_DOWN, metadata `cursor`: the last cursor sent).
 	SubscribeGroups(ctx context.Context, in *SubscribeGroupsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[SubscribeGroupsResponse], error)
 }
 
@@ -197,7 +218,20 @@ type SessionService_SubscribeGroupsClient = grpc.ServerStreamingClient[Subscribe
 //   - ALREADY_EXISTS: StartGroup with the id of an existing group.
 //   - RESOURCE_EXHAUSTED: strict placement and fewer eligible workers than members.
 //   - UNAVAILABLE: no eligible worker at all (none registered, healthy, undrained, with a free
-//     slot), or the router is shutting down; retry after the RetryInfo delay.
+//     slot), or the router is shutting down (ErrorInfo reason SHUTTING_DOWN); retry after the
+//     RetryInfo delay.
+//
+// Shutdown: after SIGTERM the router reports NOT_SERVING on grpc.health.v1 and, for its
+// shutdown delay, keeps serving the calls already open while new sessions get UNAVAILABLE
+// (SHUTTING_DOWN, with RetryInfo). Then it drains: SubmitRewards and SubscribeGroups streams
+// end with UNAVAILABLE, ErrorInfo reason SHUTTING_DOWN and a RetryInfo delay, never with OK,
+// so a client in any language knows to reconnect (to another replica, or to this one once it
+// is back).
+//
+// Behind a proxy, keep the server's keepalive time below every idle timeout on the path (for
+// nginx, grpc_read_timeout): a stream the proxy resets arrives as INTERNAL without status
+// details (RST_STREAM). Clients treat that like UNAVAILABLE where retrying is safe: feed
+// streams resume by cursor, starts carry a request_id, and rewards are idempotent.
 type SessionServiceServer interface {
 	// Starts one session and places it on a worker. Without group_id a new group is made; with
 	// a known group_id the session joins that group; with an unknown group_id a group with
@@ -218,10 +252,18 @@ type SessionServiceServer interface {
 	// stream. When a reward completes a group, the group's result (advantages included) is
 	// sent on this stream in `group_results`, and on the feed of SubscribeGroups. After the
 	// client half-closes, the server still sends the results owed, then ends the stream.
+	// A draining router stops reading requests, acks the ones it applied, sends the results
+	// owed, then ends the stream with UNAVAILABLE (SHUTTING_DOWN): resend on a new stream every
+	// entry not acknowledged; a reward already recorded comes back DUPLICATE.
 	SubmitRewards(grpc.BidiStreamingServer[SubmitRewardsRequest, SubmitRewardsResponse]) error
 	// Streams every finalized or dropped group, in cursor order, starting after `after_cursor`.
 	// A trainer that reconnects with the last cursor it processed misses nothing and receives
-	// nothing twice. The stream stays open and delivers new groups as they finalize.
+	// nothing twice. The stream stays open and delivers new groups as they finalize; a serving
+	// router never ends it. The response headers carry `sessionrouter-after-cursor`: the
+	// cursor the stream starts after (the newest cursor for from_latest, the one before the
+	// oldest retained group for after_cursor 0), so a client that asked from_latest resumes
+	// from there after a disconnect instead of skipping the groups it missed. A draining router
+	// ends the stream with UNAVAILABLE (SHUTTING_DOWN, metadata `cursor`: the last cursor sent).
 	SubscribeGroups(*SubscribeGroupsRequest, grpc.ServerStreamingServer[SubscribeGroupsResponse]) error
 	mustEmbedUnimplementedSessionServiceServer()
 }
