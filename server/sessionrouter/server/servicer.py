@@ -201,7 +201,7 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
         self._router = router
         self._commit = commit
         self._draining = False
-        self._reward_readers: set[asyncio.Task[None]] = set()
+        self._reward_intakes: set[asyncio.Task[None]] = set()
 
     async def StartSession(
         self, request: spb.StartSessionRequest, context: grpc.aio.ServicerContext[object, object]
@@ -289,14 +289,12 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
             await _abort(context, self._draining_error("reward stream"))
         stream = RewardStream()
         reader = asyncio.create_task(self._read_rewards(request_iterator, stream))
-        self._reward_readers.add(reader)
-        reader.add_done_callback(self._reward_readers.discard)
         try:
             async for batch in stream.batches():
                 for response in _pack_stream_events(batch):
                     yield response
             if reader.cancelled():
-                # Only drain() cancels a reader that is still running.
+                # Only drain() cancels a running intake (and so its reader).
                 await _abort(context, self._draining_error("reward stream"))
             error = reader.exception() if reader.done() else None
             if isinstance(error, RouterError):
@@ -311,9 +309,14 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
         self, requests: AsyncIterable[spb.SubmitRewardsRequest], stream: RewardStream
     ) -> None:
         acks = _DurableAcks(stream)
+        # The intake is its own task so that drain() can stop the reading alone: the acks of
+        # what was applied still go out below.
+        intake = asyncio.create_task(self._apply_rewards(requests, stream, acks))
+        self._reward_intakes.add(intake)
+        intake.add_done_callback(self._reward_intakes.discard)
         try:
             try:
-                await self._apply_rewards(requests, stream, acks)
+                await intake
             finally:
                 # Also when this request failed: the earlier ones still get their acks.
                 await acks.close()
@@ -379,8 +382,8 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
         client reconnects and resends what was not acknowledged. Streams opened after this
         end at once the same way."""
         self._draining = True
-        for reader in self._reward_readers:
-            reader.cancel()
+        for intake in self._reward_intakes:
+            intake.cancel()
 
     def _draining_error(self, what: str, cursor: int | None = None) -> Unavailable:
         metadata = {} if cursor is None else {"cursor": cursor}
