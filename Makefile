@@ -22,19 +22,31 @@ help:  ## list targets
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[server,test]'
 	touch $@
 
 venv: $(VENV)/.installed  ## create .venv with the package and its test extras
 
 # Generated Python stubs are committed (so `pip install git+...` needs no protoc) and rebuilt
-# only here; `proto-check` fails when they are stale.
-proto: venv  ## regenerate the Python stubs from protos/
-	scripts/gen_python_stubs.sh $(VENV) $(GEN_PY)
+# only here; `proto-check` fails when they are stale. They are generated with an old
+# grpcio-tools on purpose: its protoc (gencode 5.26.1) and gRPC plugin (grpcio>=1.64.3) set the
+# floor of the range trainers can install us into (protobuf>=5.26.1, grpcio>=1.64.3; see
+# tests/compat). Raising this pin raises that floor for every user.
+GRPCIO_TOOLS_VERSION := 1.64.3
+PROTOC_VENV := $(TOOLS)/venvs/grpcio-tools-$(GRPCIO_TOOLS_VERSION)
 
-proto-check: venv  ## fail when the committed stubs differ from what protos/ generates
+$(PROTOC_VENV)/.installed:
+	rm -rf $(PROTOC_VENV)
+	$(PYTHON) -m venv $(PROTOC_VENV)
+	$(PROTOC_VENV)/bin/python -m pip install --quiet grpcio-tools==$(GRPCIO_TOOLS_VERSION)
+	touch $@
+
+proto: venv $(PROTOC_VENV)/.installed  ## regenerate the Python stubs from protos/
+	scripts/gen_python_stubs.sh $(PROTOC_VENV) $(VENV) $(GEN_PY)
+
+proto-check: venv $(PROTOC_VENV)/.installed  ## fail when the committed stubs differ from what protos/ generates
 	@tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
-	scripts/gen_python_stubs.sh $(VENV) "$$tmp"; \
+	scripts/gen_python_stubs.sh $(PROTOC_VENV) $(VENV) "$$tmp"; \
 	if diff -r "$$tmp/sessionrouter/v1" $(GEN_PY)/sessionrouter/v1; then \
 	  echo "proto-check: generated stubs are up to date"; \
 	else echo "proto-check: stubs are stale, run 'make proto'"; exit 1; fi

@@ -18,10 +18,21 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from sessionrouter.server import logs
-from sessionrouter.server.app import RouterServer, ServerConfig
-from sessionrouter.server.config import ConfigError, Overrides, build_config, load_file
-from sessionrouter.server.core.journal import JournalError
+from sessionrouter.server.extras import require_server_extra
+
+# Before the server's modules: without `pip install "sessionrouter[server]"` they cannot be
+# imported, and the command says so in one line instead of a traceback.
+require_server_extra()
+
+from sessionrouter.server import logs  # noqa: E402
+from sessionrouter.server.app import RouterServer, ServerConfig  # noqa: E402
+from sessionrouter.server.config import (  # noqa: E402
+    ConfigError,
+    Overrides,
+    build_config,
+    load_file,
+)
+from sessionrouter.server.core.journal import JournalError  # noqa: E402
 
 log = logging.getLogger("sessionrouter.cli")
 

@@ -5,8 +5,10 @@ import warnings
 
 from sessionrouter.v1 import worker_service_pb2 as sessionrouter_dot_v1_dot_worker__service__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.64.3'
 GRPC_VERSION = grpc.__version__
+EXPECTED_ERROR_RELEASE = '1.65.0'
+SCHEDULED_RELEASE_DATE = 'June 25, 2024'
 _version_not_supported = False
 
 try:
@@ -16,16 +18,19 @@ except ImportError:
     _version_not_supported = True
 
 if _version_not_supported:
-    raise RuntimeError(
+    warnings.warn(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in sessionrouter/v1/worker_service_pb2_grpc.py depends on'
+        + f' but the generated code in sessionrouter/v1/worker_service_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
+        + f' This warning will become an error in {EXPECTED_ERROR_RELEASE},'
+        + f' scheduled for release on {SCHEDULED_RELEASE_DATE}.',
+        RuntimeWarning
     )
 
 
-class WorkerServiceStub:
+class WorkerServiceStub(object):
     """Registers inference workers and tracks their health, drain state and load.
 
     Errors: INVALID_ARGUMENT for malformed ids, addresses, labels or a zero capacity;
@@ -71,7 +76,7 @@ class WorkerServiceStub:
                 _registered_method=True)
 
 
-class WorkerServiceServicer:
+class WorkerServiceServicer(object):
     """Registers inference workers and tracks their health, drain state and load.
 
     Errors: INVALID_ARGUMENT for malformed ids, addresses, labels or a zero capacity;
@@ -165,7 +170,7 @@ def add_WorkerServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class WorkerService:
+class WorkerService(object):
     """Registers inference workers and tracks their health, drain state and load.
 
     Errors: INVALID_ARGUMENT for malformed ids, addresses, labels or a zero capacity;
