@@ -26,13 +26,15 @@ import os
 import random
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from sessionrouter.client import GroupResult, SessionRouterClient
 
 DEFAULT_ADDRESS = os.environ.get("SESSIONROUTER_ADDRESS", "127.0.0.1:50051")
 THIS_PROGRAM = str(Path(__file__).resolve())
+STEP_TIMEOUT_S = 60.0
+"""Seconds a step's groups may take to reach the feed once all its agents have reported."""
 
 
 # --- the agent: one process, one session -------------------------------------------------------
@@ -95,6 +97,22 @@ async def spawn_agents(
     return await asyncio.gather(*(one(g, t) for g, t in groups.items() for _ in range(group_size)))
 
 
+async def take_groups(
+    feed: AsyncIterator[GroupResult], groups: dict[str, str], consumed: dict[str, GroupResult]
+) -> list[GroupResult]:
+    """Reads the feed until every group of ``groups`` came by; others' groups pass."""
+    batch: list[GroupResult] = []
+    async for group in feed:
+        if group.group_id in groups:
+            if group.group_id in consumed:
+                raise RuntimeError(f"group {group.group_id} delivered twice")
+            consumed[group.group_id] = group
+            batch.append(group)
+            if len(batch) == len(groups):
+                break
+    return batch
+
+
 def policy_update(batch: list[GroupResult]) -> dict[str, float]:
     """A stand-in for the gradient step: the numbers a trainer would log for this batch."""
     used = [g for g in batch if not g.degenerate]
@@ -120,21 +138,15 @@ async def run_trainer(
         async with contextlib.aclosing(feed):
             for step in range(steps):
                 groups = step_groups(run_id, step, prompts)
-                agents = asyncio.create_task(spawn_agents(address, groups, group_size, limit))
-                batch: list[GroupResult] = []
-                async for group in feed:  # other trainers' groups pass by: not ours
-                    if group.group_id in groups:
-                        if group.group_id in consumed:
-                            raise RuntimeError(f"group {group.group_id} delivered twice")
-                        consumed[group.group_id] = group
-                        batch.append(group)
-                        if len(batch) == len(groups):
-                            break
-                codes = await agents
+                # The feed is read while the agents run; a failed agent ends the step at once
+                # rather than leave the trainer waiting for the group's deadline.
+                batch_task = asyncio.create_task(take_groups(feed, groups, consumed))
+                codes = await spawn_agents(address, groups, group_size, limit)
                 if any(codes):
+                    batch_task.cancel()
                     raise RuntimeError(f"agents failed with exit codes {sorted(set(codes))}")
-                line = {"step": step, **policy_update(batch)}
-                print(json.dumps(line), flush=True)
+                batch = await asyncio.wait_for(batch_task, STEP_TIMEOUT_S)
+                print(json.dumps({"step": step, **policy_update(batch)}), flush=True)
         members = {g: await client.get_group(g) for g in consumed}
     return {
         "run_id": run_id,
