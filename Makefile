@@ -66,8 +66,8 @@ lint: venv  ## ruff (lint + format check) and mypy --strict on hand-written code
 test: venv proto-check stubs-go-check lint lint-proto lint-proto-breaking deploy-check interop-deps nginx-deps  ## everything CI runs: stubs, lint, types, buf, manifests, tests
 	$(VENV)/bin/pytest
 
-test-fast: venv  ## only the pytest suite
-	$(VENV)/bin/pytest
+test-fast: venv  ## the quick loop: pytest without slow and interop tests (about 20 s)
+	$(VENV)/bin/pytest -m "not slow and not interop"
 
 run: venv  ## start the router on $(ADDR) with a demo pool of 8 workers, journal in ./state
 	$(VENV)/bin/sessionrouter serve --listen $(ADDR) --demo-workers 8 --state-dir state --log-format text

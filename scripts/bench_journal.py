@@ -31,12 +31,12 @@ from bench_rewards import drive as drive_rewards
 from bench_rewards import make_sessions
 
 from sessionrouter.server.core.clock import ManualClock
-from sessionrouter.server.core.journal import FOLD_EVENTS, JOURNAL_FILE, SqliteJournal, paused_gc
 from sessionrouter.server.core.router import (
     RouterSettings,
     SessionRouter,
     StartGroupCommand,
 )
+from sessionrouter.server.journal import FOLD_EVENTS, JOURNAL_FILE, SqliteJournal, paused_gc
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
 from sessionrouter.v1 import worker_service_pb2 as wpb

@@ -145,7 +145,7 @@ def grpc_table(sessions: int, repeats: int, concurrency: int) -> None:
     for pool in POOLS:
         rates, p50s = [], []
         for _ in range(repeats):
-            with server_process(router_command()) as address:
+            with server_process(router_command("--heartbeat-timeout", "3600")) as address:
                 rate, p50 = asyncio.run(_grpc_run(address, pool, sessions, concurrency))
             rates.append(rate)
             p50s.append(p50)

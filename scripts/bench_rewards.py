@@ -127,7 +127,7 @@ async def measure(args: argparse.Namespace) -> None:
         count = args.rewards if per_message > 1 else args.rewards // 4
         ours, base = [], []
         for _ in range(args.repeats):
-            with server_process(router_command()) as address:
+            with server_process(router_command("--heartbeat-timeout", "3600")) as address:
                 names = await make_sessions(address, count)
                 ours.append(await drive(address, names, per_message))
             with server_process(trivial) as address:

@@ -8,7 +8,9 @@ the one ``add_insecure_port`` returned, never a port picked and released beforeh
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from google.rpc import error_details_pb2
@@ -17,6 +19,7 @@ from grpc_status import rpc_status
 from sessionrouter.server.app import RouterServer, ServerConfig, WorkerSpec
 from sessionrouter.server.core.clock import ManualClock
 from sessionrouter.server.core.router import RouterSettings
+from sessionrouter.server.journal import JournalTables, SyncMode
 from sessionrouter.v1 import resources_pb2 as pb
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
@@ -47,9 +50,11 @@ async def start_harness(
     settings: RouterSettings | None = None,
     workers: tuple[WorkerSpec, ...] = (),
     clock: ManualClock | None = None,
+    tables: TablesOpener | None = None,
     **config: object,
 ) -> Harness:
-    """Starts a router on 127.0.0.1:0; ``config`` sets further ServerConfig fields."""
+    """Starts a router on 127.0.0.1:0; ``config`` sets further ServerConfig fields, and
+    ``tables`` opens the journal's tables (to hold or fail its writes)."""
     clock = clock or ManualClock()
     cfg = ServerConfig(
         listen="127.0.0.1:0",
@@ -60,7 +65,7 @@ async def start_harness(
         grace_s=1.0,
         **config,  # type: ignore[arg-type]
     )
-    server = RouterServer(cfg, clock=clock)
+    server = RouterServer(cfg, clock=clock, open_tables=tables or JournalTables)
     port = await server.start()
     address = f"127.0.0.1:{port}"
     channel = grpc.aio.insecure_channel(address)
@@ -77,6 +82,39 @@ async def start_harness(
 async def stop_harness(h: Harness) -> None:
     await h.channel.close()
     await h.server.stop(grace_s=0.5)
+
+
+class ControlledTables(JournalTables):
+    """Journal tables whose log writes a test can hold (``gate``) or fail (``failure``):
+    the journal's real seam for faults, a store passed in instead of the default one."""
+
+    def __init__(self, state_dir: Path, sync: SyncMode) -> None:
+        super().__init__(state_dir, sync)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.failure: BaseException | None = None
+
+    def append_log(self, data: bytes) -> int:
+        self.gate.wait(10)
+        if self.failure is not None:
+            raise self.failure
+        return super().append_log(data)
+
+
+class TablesOpener:
+    """Opens ControlledTables and keeps the last one opened, for the test to steer."""
+
+    def __init__(self) -> None:
+        self.tables: ControlledTables | None = None
+
+    def __call__(self, state_dir: Path, sync: SyncMode) -> JournalTables:
+        self.tables = ControlledTables(state_dir, sync)
+        return self.tables
+
+    @property
+    def opened(self) -> ControlledTables:
+        assert self.tables is not None, "no journal opened yet"
+        return self.tables
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,22 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+SOURCE_ROOTS = ("server", "client", "gen/python")
+"""Where the ``sessionrouter`` namespace's packages live in the repository."""
 
 
+def source_modules() -> set[str]:
+    """Every module and type stub under the source roots, as its path inside a wheel."""
+    found = set()
+    for root in SOURCE_ROOTS:
+        base = ROOT / root
+        for path in (base / "sessionrouter").rglob("*"):
+            if path.suffix in (".py", ".pyi") and "__pycache__" not in path.parts:
+                found.add(path.relative_to(base).as_posix())
+    return found
+
+
+@pytest.mark.slow  # builds a wheel: about 10 s
 @pytest.mark.timeout(300)
 def test_wheel_holds_namespaced_packages_stubs_and_entry_point(tmp_path: Path) -> None:
     subprocess.run(
@@ -37,6 +51,8 @@ def test_wheel_holds_namespaced_packages_stubs_and_entry_point(tmp_path: Path) -
         "sessionrouter/v1/py.typed",
     ):
         assert required in names, required
+    wheel_modules = {n for n in names if n.endswith((".py", ".pyi"))}
+    assert wheel_modules == source_modules()
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "sessionrouter = sessionrouter.server.cli:main" in (
         zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sessionrouter.server.app import WorkerSpec
-from sessionrouter.server.config import ConfigError, Overrides, build_config
+from sessionrouter.server.config import ConfigError, build_config, file_values
 from sessionrouter.server.core.router import RouterSettings
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
@@ -187,10 +187,11 @@ async def test_sigterm_with_shutdown_delay_reports_not_serving_then_exits_0(
 )
 def test_shutdown_delay_setting(delay: float | None, accepted: float | None) -> None:
     """Default 0 (drain at once, as before); a negative or over-an-hour delay is refused."""
-    flags = Overrides(shutdown_delay_s=delay, in_memory=True)
+    flags = {"shutdown_delay_s": delay, "in_memory": True}
     if accepted is None:
         with pytest.raises(ConfigError, match="shutdown_delay_s"):
             build_config(flags)
     else:
         assert build_config(flags).shutdown_delay_s == accepted
-    assert build_config(Overrides(in_memory=True), {"shutdown_delay_s": 3}).shutdown_delay_s == 3.0
+    from_file = file_values({"shutdown_delay_s": 3})
+    assert build_config({"in_memory": True}, from_file).shutdown_delay_s == 3.0

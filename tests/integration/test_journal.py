@@ -10,10 +10,8 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import threading
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import grpc
 import numpy as np
@@ -23,12 +21,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sessionrouter.server.app import JournalConfig, RouterServer, ServerConfig, WorkerSpec
 from sessionrouter.server.core.clock import ManualClock
-from sessionrouter.server.core.journal import JOURNAL_FILE, JournalError, SqliteJournal
 from sessionrouter.server.core.router import RouterSettings
+from sessionrouter.server.journal import JOURNAL_FILE, JournalError, SqliteJournal
 from sessionrouter.v1 import resources_pb2 as pb
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import worker_service_pb2 as wpb
-from tests.support import Harness, details_of, read_feed, start_harness, stop_harness
+from tests.support import (
+    Harness,
+    TablesOpener,
+    details_of,
+    read_feed,
+    start_harness,
+    stop_harness,
+)
 
 SERVE = (sys.executable, "-m", "sessionrouter.server", "serve")
 
@@ -38,9 +43,10 @@ async def start_durable(
     clock: ManualClock,
     settings: RouterSettings | None = None,
     workers: tuple[WorkerSpec, ...] = (),
+    tables: TablesOpener | None = None,
 ) -> Harness:
     return await start_harness(
-        settings, workers, clock=clock, journal=JournalConfig(str(state_dir))
+        settings, workers, clock=clock, tables=tables, journal=JournalConfig(str(state_dir))
     )
 
 
@@ -52,8 +58,14 @@ async def restart(h: Harness, state_dir: Path, down_s: float = 5.0, **kwargs: ob
 
 
 @pytest.fixture
-async def durable(tmp_path: Path) -> AsyncIterator[Harness]:
-    h = await start_durable(tmp_path, ManualClock())
+def tables() -> TablesOpener:
+    """Opens the durable router's journal tables, so a test can hold or fail its writes."""
+    return TablesOpener()
+
+
+@pytest.fixture
+async def durable(tmp_path: Path, tables: TablesOpener) -> AsyncIterator[Harness]:
+    h = await start_durable(tmp_path, ManualClock(), tables=tables)
     try:
         yield h
     finally:
@@ -315,26 +327,13 @@ async def test_a_group_settled_but_not_finalized_in_the_journal_is_finalized_onc
         await stop_harness(h)
 
 
-class BlockedWrites:
-    """Holds the journal's writer thread until released, to see what waits for durability."""
-
-    def __init__(self, journal: SqliteJournal) -> None:
-        self.gate = threading.Event()
-        self._log_batch = journal._log_batch
-        journal._log_batch = self._blocked  # type: ignore[method-assign]
-
-    def _blocked(self, batch: Any) -> None:
-        self.gate.wait(10)
-        self._log_batch(batch)
-
-
 async def test_nothing_is_acknowledged_or_published_before_it_is_durable(
-    durable: Harness,
+    durable: Harness, tables: TablesOpener
 ) -> None:
     await register_pool(durable)
     started = await durable.sessions.StartGroup(spb.StartGroupRequest(task_id="t", group_size=2))
-    assert durable.server.journal is not None
-    blocked = BlockedWrites(durable.server.journal)
+    blocked = tables.opened
+    blocked.gate.clear()
     subscriber = durable.sessions.SubscribeGroups(spb.SubscribeGroupsRequest())
     first_group = asyncio.ensure_future(subscriber.read())
     reply = asyncio.ensure_future(
@@ -354,15 +353,11 @@ async def test_nothing_is_acknowledged_or_published_before_it_is_durable(
     subscriber.cancel()
 
 
-async def test_a_journal_that_cannot_be_written_stops_the_router(durable: Harness) -> None:
+async def test_a_journal_that_cannot_be_written_stops_the_router(
+    durable: Harness, tables: TablesOpener
+) -> None:
     await register_pool(durable)
-    journal = durable.server.journal
-    assert journal is not None
-
-    def broken(batch: Any) -> None:
-        raise OSError(28, "No space left on device")
-
-    journal._log_batch = broken  # type: ignore[method-assign]
+    tables.opened.failure = OSError(28, "No space left on device")
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await durable.sessions.StartSession(spb.StartSessionRequest(task_id="t"))
     details = details_of(info.value)

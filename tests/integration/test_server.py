@@ -110,7 +110,7 @@ async def test_starting_while_draining_is_unavailable(harness: Harness) -> None:
     await harness.workers.RegisterWorker(
         wpb.RegisterWorkerRequest(worker_id="w", address="a:1", capacity=4)
     )
-    harness.server.router.accepting = False
+    harness.server.router.stop_accepting()
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await harness.sessions.StartSession(spb.StartSessionRequest(task_id="t"))
     details = details_of(info.value)

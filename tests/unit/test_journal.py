@@ -11,18 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sessionrouter.server.core import journal as journal_module
 from sessionrouter.server.core.clock import ManualClock
 from sessionrouter.server.core.errors import InvalidArgument, Unavailable
 from sessionrouter.server.core.events import Event, RecoveredState, RewardSaved, WorkerSaved
 from sessionrouter.server.core.feed import GroupOutcome, GroupResult
 from sessionrouter.server.core.groups import GroupState, SessionState
-from sessionrouter.server.core.journal import (
-    JOURNAL_FILE,
-    SCHEMA_VERSION,
-    JournalError,
-    SqliteJournal,
-)
 from sessionrouter.server.core.router import (
     OptionsSpec,
     RouterSettings,
@@ -30,6 +23,13 @@ from sessionrouter.server.core.router import (
     StartGroupCommand,
     StartSessionCommand,
 )
+from sessionrouter.server.journal import (
+    JOURNAL_FILE,
+    SCHEMA_VERSION,
+    JournalError,
+    SqliteJournal,
+)
+from tests.support import TablesOpener
 
 SETTINGS = RouterSettings(min_members=1)
 
@@ -296,14 +296,11 @@ async def test_a_commit_covers_what_was_appended_before_it_only(tmp_path: Path) 
 
 
 async def test_a_failed_write_fails_every_waiter_and_every_later_commit(tmp_path: Path) -> None:
-    journal = SqliteJournal(tmp_path)
+    opener = TablesOpener()
+    journal = SqliteJournal(tmp_path, open_tables=opener)
     failures: list[BaseException] = []
     journal.on_failure.append(failures.append)
-
-    def broken(batch: Any) -> None:
-        raise sqlite3.OperationalError("disk I/O error")
-
-    journal._log_batch = broken  # type: ignore[method-assign]
+    opener.opened.failure = sqlite3.OperationalError("disk I/O error")
     journal.start()
     journal.append(WorkerSaved("w", "a:1", 1, {}, False, 0.0))
     with pytest.raises(Unavailable) as info:
@@ -481,10 +478,9 @@ def test_a_log_row_that_names_code_is_refused_not_run(tmp_path: Path) -> None:
 
 
 async def test_folds_carry_rewards_of_open_groups_over_and_lose_or_count_nothing_twice(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    monkeypatch.setattr(journal_module, "FOLD_EVENTS", 4)  # fold after every batch
-    journal = SqliteJournal(tmp_path)
+    journal = SqliteJournal(tmp_path, fold_events=4)  # fold after every batch
     router = SessionRouter(SETTINGS, ManualClock(), journal)
     journal.start()
     router.register_worker("w", "10.0.0.1:1", 100, {})

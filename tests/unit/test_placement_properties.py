@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -206,7 +207,7 @@ class PlacementMachine(RuleBasedStateMachine):
                 assert max(counts.values(), default=1) == 1
 
 
-TestPlacement = PlacementMachine.TestCase
+TestPlacement = pytest.mark.timeout(300)(pytest.mark.slow(PlacementMachine.TestCase))  # ~20 s
 TestPlacement.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
 
 

@@ -3,15 +3,31 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Awaitable
 
 import numpy as np
 import pytest
 
-from sessionrouter.server.core.errors import OutOfRange
+from sessionrouter.server.core.errors import InvalidArgument, OutOfRange
 from sessionrouter.server.core.estimators import EstimatorParams
 from sessionrouter.server.core.feed import GroupFeed, GroupOutcome, GroupResult
-from sessionrouter.server.core.rewards import ACCEPTED
-from sessionrouter.server.core.streams import RewardAck, RewardStream, StreamEvent
+from sessionrouter.server.core.rewards import ACCEPTED, RewardOutcome
+from sessionrouter.server.core.streams import (
+    MAX_ENTRIES_PER_REQUEST,
+    Entries,
+    RewardAck,
+    RewardFlow,
+    StreamEvent,
+    StreamOrigin,
+)
+
+
+def no_submit(entries: Entries, origin: StreamOrigin) -> list[RewardOutcome]:
+    raise AssertionError("this test applies no requests")
+
+
+def no_commit() -> Awaitable[None]:
+    raise AssertionError("this test commits nothing")
 
 
 def result(cursor: int) -> GroupResult:
@@ -33,15 +49,75 @@ def result(cursor: int) -> GroupResult:
     )
 
 
-async def drain(stream: RewardStream) -> list[StreamEvent]:
+async def drain(stream: RewardFlow) -> list[StreamEvent]:
     events: list[StreamEvent] = []
     async for batch in stream.batches():
         events += batch
     return events
 
 
+class Durability:
+    """A journal stand-in whose durability points resolve when the test says so."""
+
+    def __init__(self) -> None:
+        self.points: list[asyncio.Future[None]] = []
+
+    def commit(self) -> Awaitable[None]:
+        self.points.append(asyncio.get_running_loop().create_future())
+        return self.points[-1]
+
+
+async def requests_of(*sizes: int) -> AsyncIterator[tuple[int, Entries]]:
+    for i, size in enumerate(sizes):
+        yield 100 + i, [(f"groups/g/sessions/{j}", 1.0) for j in range(size)]
+
+
+async def test_acks_go_out_in_request_order_each_once_durable() -> None:
+    durability = Durability()
+    applied: list[int] = []
+
+    def submit(entries: Entries, origin: StreamOrigin) -> list[RewardOutcome]:
+        applied.append(origin.request)
+        return [ACCEPTED] * len(entries)
+
+    flow = RewardFlow(submit, durability.commit)
+    reader = asyncio.create_task(flow.read(requests_of(1, 2, 3)))
+    events = asyncio.create_task(drain(flow))
+    await asyncio.sleep(0.01)
+    assert applied == [0, 1, 2]  # read and applied without waiting for durability
+    assert len(durability.points) == 3 and not events.done()
+    durability.points[1].set_result(None)  # the second is durable first...
+    await asyncio.sleep(0.01)
+    assert flow.backlog == 0  # ...but its ack waits for the first
+    for point in (durability.points[0], durability.points[2]):
+        point.set_result(None)
+    await reader
+    acks = await events
+    assert [(a.sequence, len(a.results)) for a in acks if isinstance(a, RewardAck)] == [
+        (100, 1),
+        (101, 2),
+        (102, 3),
+    ]
+
+
+async def test_a_request_over_the_entry_limit_ends_the_flow_after_earlier_acks() -> None:
+    def submit(entries: Entries, origin: StreamOrigin) -> list[RewardOutcome]:
+        return [ACCEPTED] * len(entries)
+
+    async def done() -> None:
+        return None
+
+    flow = RewardFlow(submit, done)
+    events = asyncio.create_task(drain(flow))
+    with pytest.raises(InvalidArgument) as info:
+        await flow.read(requests_of(2, MAX_ENTRIES_PER_REQUEST + 1, 1))
+    assert info.value.reason == "TOO_MANY_ENTRIES"
+    acks = await events
+    assert [a.sequence for a in acks if isinstance(a, RewardAck)] == [100]
+
+
 async def test_a_result_ready_before_its_ack_waits_for_the_ack() -> None:
-    stream = RewardStream()
+    stream = RewardFlow(no_submit, no_commit)
     first = stream.begin_request()
     stream.expect_group()
     stream.deliver(first, result(1))  # reduced before the journal acknowledged the request
@@ -54,7 +130,7 @@ async def test_a_result_ready_before_its_ack_waits_for_the_ack() -> None:
 
 
 async def test_stream_ends_only_after_owed_results_arrive() -> None:
-    stream = RewardStream()
+    stream = RewardFlow(no_submit, no_commit)
     number = stream.begin_request()
     stream.expect_group()
     stream.ack(number, RewardAck(1, [ACCEPTED]))
@@ -68,7 +144,7 @@ async def test_stream_ends_only_after_owed_results_arrive() -> None:
 
 
 async def test_room_blocks_a_reader_until_events_are_written() -> None:
-    stream = RewardStream()
+    stream = RewardFlow(no_submit, no_commit)
     for i in range(3):
         stream.ack(stream.begin_request(), RewardAck(i, []))
     waiter = asyncio.create_task(stream.room(1))

@@ -25,7 +25,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
 from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
@@ -34,17 +33,22 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sessionrouter.server.auth import TokenAuthInterceptor
+from sessionrouter.server.config import JournalConfig, ServerConfig, WorkerSpec
 from sessionrouter.server.core.clock import Clock
 from sessionrouter.server.core.errors import Unavailable
-from sessionrouter.server.core.journal import JournalError, SqliteJournal, SyncMode, paused_gc
-from sessionrouter.server.core.router import RouterSettings, SessionRouter
+from sessionrouter.server.core.router import SessionRouter
+from sessionrouter.server.core.streams import Commit, no_journal
+from sessionrouter.server.journal import JournalError, JournalTables, SqliteJournal, paused_gc
+from sessionrouter.server.journal.writer import OpenTables
 from sessionrouter.server.metrics import RouterCollector, serve_metrics
-from sessionrouter.server.servicer import Commit, SessionServicer, WorkerServicer, no_journal
+from sessionrouter.server.servicer import SessionServicer, WorkerServicer
 from sessionrouter.v1 import session_service_pb2, worker_service_pb2
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
 from sessionrouter.v1 import worker_service_pb2_grpc as wpb_grpc
 
 log = logging.getLogger("sessionrouter.app")
+
+__all__ = ["JournalConfig", "RouterServer", "ServerConfig", "WorkerSpec"]
 
 SERVICE_NAMES = (
     session_service_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name,
@@ -52,61 +56,18 @@ SERVICE_NAMES = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """A worker given at start-up (command line or config file)."""
-
-    worker_id: str
-    address: str
-    capacity: int
-    labels: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class JournalConfig:
-    """Where, and how hard, the router journals its state (see ``core.journal``)."""
-
-    state_dir: str
-    sync: SyncMode = SyncMode.FULL
-    check_on_start: bool = True
-    """Run SQLite's quick_check before loading: catches a damaged page anywhere in the file
-    (indexes included) at the price of reading it once more at start-up."""
-
-
-@dataclass(frozen=True, slots=True)
-class ServerConfig:
-    """Everything the process needs to serve."""
-
-    listen: str = "127.0.0.1:50051"
-    router: RouterSettings = field(default_factory=RouterSettings)
-    workers: tuple[WorkerSpec, ...] = ()
-    static_workers_heartbeat: bool = True
-    """Workers given at start-up are kept healthy by the server itself (they have no
-    heartbeating agent); registered workers must heartbeat."""
-    grace_s: float = 10.0
-    shutdown_delay_s: float = 0.0
-    """Seconds between SIGTERM (health NOT_SERVING, no new sessions) and the drain; 0 drains
-    at once. Set it to a little more than the probe period times its failure threshold (for
-    example 5 to 15 s in Kubernetes) so that traffic moves away before the listener closes."""
-    tick_s: float = 0.25
-    """How often heartbeat expiry and group deadlines are checked."""
-    keepalive_time_s: float = 30.0
-    keepalive_timeout_s: float = 10.0
-    max_connection_age_s: float | None = None
-    max_connection_age_grace_s: float | None = None
-    auth_token: str | None = None
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    metrics_port: int | None = None
-    journal: JournalConfig | None = None
-    """None keeps every state in memory: a restart loses it (tests, benchmarks)."""
-
-
 class RouterServer:
     """A grpc.aio server around one SessionRouter."""
 
-    def __init__(self, config: ServerConfig, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        clock: Clock | None = None,
+        open_tables: OpenTables = JournalTables,
+    ) -> None:
+        """``open_tables`` opens the journal's SQLite tables (tests pass one that fails)."""
         self.config = config
+        self._open_tables = open_tables
         self.router = SessionRouter(config.router, clock)
         self.commit: Commit = no_journal
         self.journal: SqliteJournal | None = None
@@ -171,13 +132,16 @@ class RouterServer:
             self.port = server.add_insecure_port(cfg.listen)
         if self.port == 0:
             raise OSError(f"could not bind {cfg.listen}")
+        if cfg.metrics_port is not None:  # before serving: a taken port fails the start cleanly
+            try:
+                self._metrics, self._metrics_http = serve_metrics(self.router, cfg.metrics_port)
+            except OSError as exc:
+                raise OSError(f"metrics port {cfg.metrics_port}: {exc.strerror}") from None
+            self.metrics_port = int(self._metrics_http.server_address[1])
         await server.start()
         self._server = server
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if cfg.metrics_port is not None:
-            self._metrics, self._metrics_http = serve_metrics(self.router, cfg.metrics_port)
-            self.metrics_port = int(self._metrics_http.server_address[1])
         self._tasks = [
             asyncio.create_task(self.router.finalizer.run(), name="finalizer"),
             asyncio.create_task(self._tick(), name="expiry"),
@@ -204,13 +168,13 @@ class RouterServer:
             cfg.state_dir,
             sync=cfg.sync,
             keep_finished=max(settings.feed_retention, settings.finished_group_retention),
+            open_tables=self._open_tables,
         )
         try:
             if cfg.check_on_start:
                 await asyncio.to_thread(journal.check)
             state = await asyncio.to_thread(journal.load)
-            self.router.journal = journal
-            self.router.finalizer.journal = journal
+            self.router.attach_journal(journal)
             try:
                 with paused_gc():
                     summary = self.router.restore(state)
@@ -239,7 +203,7 @@ class RouterServer:
     def _register_static_worker(self, spec: WorkerSpec) -> None:
         """Registers a worker given at start-up. One the journal knows at another address
         is replaced: the command line says where the worker is now."""
-        known = self.router.workers.find(spec.worker_id)
+        known = self.router.find_worker(spec.worker_id)
         if known is not None and known.address != spec.address:
             log.warning(
                 "static worker moved",
@@ -259,7 +223,7 @@ class RouterServer:
         task.add_done_callback(self._failure_tasks.discard)
 
     async def _fail_stop(self) -> None:
-        self.router.accepting = False
+        self.router.stop_accepting()
         await self.health.enter_graceful_shutdown()
         self.failed.set()
 
@@ -275,7 +239,7 @@ class RouterServer:
             await asyncio.sleep(self.config.tick_s)
             if self.config.static_workers_heartbeat:
                 for worker_id in static:
-                    if self.router.workers.find(worker_id) is not None:
+                    if self.router.find_worker(worker_id) is not None:
                         self.router.heartbeat(worker_id)
             self.router.expire_due()
             if self.journal is not None:
@@ -294,7 +258,7 @@ class RouterServer:
         self._stopping = True
         grace = self.config.grace_s if grace_s is None else grace_s
         delay = self.config.shutdown_delay_s if delay_s is None else delay_s
-        self.router.accepting = False
+        self.router.stop_accepting()
         await self.health.enter_graceful_shutdown()
         if delay > 0:
             log.info("not serving", extra={"event": "not_serving", "shutdown_delay_s": delay})

@@ -1,16 +1,18 @@
-"""Server configuration from a TOML file and command-line flags (flags win).
+"""Server configuration: every setting declared once, in ``SETTINGS``.
 
-The file mirrors the flags, for example::
+Each ``Setting`` names its flag, its key in the TOML file (``section.key`` for a sub-table),
+its environment variable (``SESSIONROUTER_<NAME>``), its type, default and help. The argument
+parser, the file reader, the environment reader, ``--help`` and the README's settings table
+are all derived from that table, and values merge in one order: flag, then environment, then
+file, then default. For example::
 
     listen = "0.0.0.0:50051"
     heartbeat_timeout_s = 10
     [estimator]
     name = "grpo"
     eps = 1e-6
-    ddof = 1
     [groups]
     deadline_s = 600
-    min_members = 2
     [[workers]]
     worker_id = "w1"
     address = "10.0.0.7:30000"
@@ -18,101 +20,235 @@ The file mirrors the flags, for example::
     labels = { model = "qwen3-8b" }
     [journal]
     state_dir = "/var/lib/sessionrouter"   # or in_memory = true
-    sync = "full"                          # or "normal"; see core.journal
-    check_on_start = true
 
 Without ``--state-dir``, ``--in-memory`` or a ``[journal]`` table the router journals to
 ``./state`` (``DEFAULT_STATE_DIR``): durable unless told otherwise, because rewards from real
 users cannot be produced again; the directory is relative to where the router starts, as
 Prometheus's ``data/`` is, and its lock refuses a second router on the same directory.
 
-Every problem is a ConfigError whose message names the key and what is wrong, so the CLI can
-print one line and exit non-zero instead of a traceback.
+Every problem, an unknown key anywhere in the file included, is a ConfigError whose message
+names the key (and the file), so the CLI prints one line and exits 2 instead of a traceback.
+
+This file is over 500 lines on purpose: the table and everything derived from it (the parser,
+the file and environment readers, the merge, the README table) stay together, so a setting is
+added, and read, in one place.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import math
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sessionrouter.server.app import JournalConfig, ServerConfig, WorkerSpec
 from sessionrouter.server.core.errors import RouterError
 from sessionrouter.server.core.estimators import EstimatorParams, validate_params
-from sessionrouter.server.core.journal import SyncMode
 from sessionrouter.server.core.placement import PlacementMode
-from sessionrouter.server.core.router import RouterSettings
+from sessionrouter.server.core.settings import RouterSettings
 from sessionrouter.server.core.validation import check_id
+from sessionrouter.server.journal import SyncMode
 
 DEMO_WORKER_BASE_PORT = 30000
 DEFAULT_STATE_DIR = "state"
 """Where the journal lives when nothing says otherwise, relative to the working directory."""
-_JOURNAL_KEYS = {"state_dir", "in_memory", "sync", "check_on_start"}
+ENV_PREFIX = "SESSIONROUTER_"
+TOKEN_ENV = "SESSIONROUTER_TOKEN"
+"""Holds the bearer token itself (not a file), for platforms that inject secrets as variables;
+a token file given as a flag wins over it, a token file from the environment or the file
+loses to it."""
+WORKER_KEYS = frozenset({"worker_id", "address", "capacity", "labels"})
+"""Keys of one ``[[workers]]`` entry."""
 
 
 class ConfigError(ValueError):
     """Invalid configuration: the message says which key and why."""
 
 
-@dataclass(frozen=True, slots=True)
-class Overrides:
-    """Values given on the command line; None means "not given"."""
+# -- the configuration the server runs with -----------------------------------------------
 
-    listen: str | None = None
-    workers: tuple[str, ...] = ()
-    demo_workers: int | None = None
-    estimator: str | None = None
-    eps: float | None = None
-    ddof: int | None = None
-    batch_std: bool | None = None
-    deadline_s: float | None = None
-    min_members: int | None = None
-    heartbeat_timeout_s: float | None = None
-    reducer_window_ms: float | None = None
-    reducer_max_batch: int | None = None
-    placement: str | None = None
-    grace_s: float | None = None
-    shutdown_delay_s: float | None = None
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """A worker given at start-up (command line or config file)."""
+
+    worker_id: str
+    address: str
+    capacity: int
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class JournalConfig:
+    """Where, and how hard, the router journals its state (see ``sessionrouter.server.journal``)."""
+
+    state_dir: str
+    sync: SyncMode = SyncMode.FULL
+    check_on_start: bool = True
+    """Run SQLite's quick_check before loading: catches a damaged page anywhere in the file
+    (indexes included) at the price of reading it once more at start-up."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything the process needs to serve."""
+
+    listen: str = "127.0.0.1:50051"
+    router: RouterSettings = field(default_factory=RouterSettings)
+    workers: tuple[WorkerSpec, ...] = ()
+    static_workers_heartbeat: bool = True
+    """Workers given at start-up are kept healthy by the server itself (they have no
+    heartbeating agent); registered workers must heartbeat."""
+    grace_s: float = 10.0
+    shutdown_delay_s: float = 0.0
+    """Seconds between SIGTERM (health NOT_SERVING, no new sessions) and the drain; 0 drains
+    at once. Set it to a little more than the probe period times its failure threshold (for
+    example 5 to 15 s in Kubernetes) so that traffic moves away before the listener closes."""
+    tick_s: float = 0.25
+    """How often heartbeat expiry and group deadlines are checked."""
+    keepalive_time_s: float = 30.0
+    keepalive_timeout_s: float = 10.0
     max_connection_age_s: float | None = None
-    keepalive_time_s: float | None = None
+    max_connection_age_grace_s: float | None = None
     auth_token: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     metrics_port: int | None = None
-    feed_retention: int | None = None
-    state_dir: str | None = None
-    in_memory: bool = False
-    journal_sync: str | None = None
+    journal: JournalConfig | None = None
+    """None keeps every state in memory: a restart loses it (tests, benchmarks)."""
 
 
-_FILE_KEYS = {
-    "listen",
-    "heartbeat_timeout_s",
-    "placement",
-    "grace_s",
-    "shutdown_delay_s",
-    "max_connection_age_s",
-    "keepalive_time_s",
-    "metrics_port",
-    "tls_cert_file",
-    "tls_key_file",
-    "auth_token_file",
-    "demo_workers",
-    "feed_retention",
-    "estimator",
-    "groups",
-    "reducer",
-    "workers",
-    "journal",
-}
+# -- the one table of settings -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One setting: where it can be given, its type and its default."""
+
+    name: str
+    """Identifier in the merged values; the environment variable is its upper case."""
+    flag: str
+    kind: type
+    """str, int, float or bool; ``list`` for a repeatable flag (``--worker``)."""
+    default: Any
+    help: str
+    key: str | None = None
+    """Key in the TOML file, ``section.key`` inside a sub-table; None: not in the file."""
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+_R = RouterSettings()
+_S = ServerConfig()
+
+# fmt: off
+SETTINGS: tuple[Setting, ...] = (
+    Setting("config", "--config", str, None, "TOML config file", metavar="FILE"),
+    Setting("listen", "--listen", str, _S.listen, "address to bind", "listen", "HOST:PORT"),
+    Setting("port_file", "--port-file", str, None, "write the bound port here once serving",
+            metavar="FILE"),
+    Setting("workers", "--worker", list, (), "a worker known at start-up (repeatable; the"
+            " environment variable takes several, space-separated); the server heartbeats it",
+            "workers", "ID=ADDRESS[,CAPACITY]"),
+    Setting("demo_workers", "--demo-workers", int, 0, "add N demo workers (demo-0..) of"
+            " capacity 8 on 127.0.0.1:30000+", "demo_workers", "N"),
+    Setting("estimator", "--estimator", str, _R.estimator.name, "default estimator",
+            "estimator.name", choices=("grpo", "dr_grpo", "rloo")),
+    Setting("eps", "--eps", float, _R.estimator.eps, "grpo: added to the std", "estimator.eps"),
+    Setting("ddof", "--ddof", int, _R.estimator.ddof, "std degrees of freedom: 1 sample,"
+            " 0 population", "estimator.ddof"),
+    Setting("batch_std", "--batch-std", bool, _R.estimator.batch_std, "grpo: divide by the"
+            " micro-batch std instead of the group std", "estimator.batch_std"),
+    Setting("deadline_s", "--group-deadline", float, _R.deadline_s, "default group deadline",
+            "groups.deadline_s", "SECONDS"),
+    Setting("min_members", "--min-members", int, _R.min_members, "default least rewarded"
+            " members of a partial group", "groups.min_members"),
+    Setting("heartbeat_timeout_s", "--heartbeat-timeout", float, _R.heartbeat_timeout_s,
+            "a worker silent this long turns unhealthy", "heartbeat_timeout_s", "SECONDS"),
+    Setting("reducer_window_ms", "--reducer-window-ms", float, _R.reducer_window_s * 1000,
+            "micro-batch window of the advantage reducer", "reducer.window_ms", "MS"),
+    Setting("reducer_max_batch", "--reducer-max-batch", int, _R.reducer_max_batch,
+            "reduce at once when this many groups are queued", "reducer.max_batch", "GROUPS"),
+    Setting("placement", "--placement", str, _R.placement_mode.value, "server-wide placement"
+            " mode when workers are scarce", "placement", choices=("spread", "strict")),
+    Setting("grace_s", "--grace", float, _S.grace_s, "time in-flight calls get on shutdown",
+            "grace_s", "SECONDS"),
+    Setting("shutdown_delay_s", "--shutdown-delay", float, _S.shutdown_delay_s, "after"
+            " SIGTERM, report NOT_SERVING and keep serving this long before draining (the"
+            " Kubernetes preStop pattern)", "shutdown_delay_s", "SECONDS"),
+    Setting("max_connection_age_s", "--max-connection-age", float, None, "close client"
+            " connections after this long, so clients rebalance", "max_connection_age_s",
+            "SECONDS"),
+    Setting("keepalive_time_s", "--keepalive-time", float, _S.keepalive_time_s,
+            "ping idle connections this often; keep it below every proxy idle timeout on the"
+            " path (nginx grpc_read_timeout, load balancer idle timeouts)", "keepalive_time_s",
+            "SECONDS"),
+    Setting("feed_retention", "--feed-retention", int, _R.feed_retention, "finished groups"
+            " kept for resuming subscribers", "feed_retention", "GROUPS"),
+    Setting("auth_token_file", "--token-file", str, None, "require 'authorization: Bearer"
+            f" <token>', the token read from FILE (or given in ${TOKEN_ENV})",
+            "auth_token_file", "FILE"),
+    Setting("tls_cert_file", "--tls-cert", str, None, "TLS certificate (PEM)", "tls_cert_file",
+            "FILE"),
+    Setting("tls_key_file", "--tls-key", str, None, "TLS private key (PEM)", "tls_key_file",
+            "FILE"),
+    Setting("metrics_port", "--metrics-port", int, None, "serve Prometheus metrics on PORT",
+            "metrics_port", "PORT"),
+    Setting("state_dir", "--state-dir", str, None, "journal state here, durably, and recover"
+            f" it on start (default ./{DEFAULT_STATE_DIR})", "journal.state_dir", "DIR"),
+    Setting("in_memory", "--in-memory", bool, False, "keep no journal: a restart loses every"
+            " group, reward and cursor (tests, benchmarks)", "journal.in_memory"),
+    Setting("journal_sync", "--journal-sync", str, SyncMode.FULL.value, "full: fsync every"
+            " group commit, survives power loss; normal: survives a router crash but not an OS"
+            " crash or power loss", "journal.sync", choices=("full", "normal")),
+    Setting("check_on_start", "--check-on-start", bool, True, "run SQLite's quick_check over"
+            " the journal before loading it", "journal.check_on_start"),
+    Setting("log_level", "--log-level", str, "info", "log level",
+            choices=("debug", "info", "warning", "error")),
+    Setting("log_format", "--log-format", str, "json", "log format", choices=("json", "text")),
+)
+# fmt: on
+BY_NAME = {s.name: s for s in SETTINGS}
+FILE_KEYS = {s.key: s for s in SETTINGS if s.key is not None}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting; an absent flag stays None, so the merge can tell."""
+    for s in SETTINGS:
+        default = "" if s.default in (None, (), "") else f" (default {_shown(s.default)})"
+        env = f" [${s.env}]"
+        kwargs: dict[str, Any] = {"dest": s.name, "default": None, "help": s.help + default + env}
+        if s.kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif s.kind is list:
+            kwargs["action"] = "append"
+            kwargs["metavar"] = s.metavar
+        else:
+            kwargs["type"] = s.kind
+            kwargs["metavar"] = s.metavar
+            kwargs["choices"] = s.choices
+        parser.add_argument(s.flag, **kwargs)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+# -- reading -------------------------------------------------------------------------------
 
 
 def load_file(path: str) -> dict[str, Any]:
-    """Reads a TOML config file, or raises ConfigError naming the file."""
+    """Reads a TOML config file; ConfigError naming the file and the key for an unreadable
+    file, an unknown key anywhere (sub-tables and worker entries included) or a value of
+    the wrong type."""
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -120,29 +256,106 @@ def load_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path!r} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
-    unknown = sorted(set(data) - _FILE_KEYS)
-    if unknown:
-        raise ConfigError(f"config file {path!r}: unknown keys {unknown}")
-    return data
+    try:
+        return file_values(data)
+    except ConfigError as exc:
+        raise ConfigError(f"config file {path!r}: {exc}") from None
 
 
-def _get(section: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
-    value = section.get(key)
-    if value is None:
-        return None
+def file_values(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings a parsed TOML document gives, by setting name, type-checked."""
+    sections = {key.split(".", 1)[0] for key in FILE_KEYS if "." in key}
+    values: dict[str, Any] = {}
+    for top, value in data.items():
+        if top in sections:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{top} must be a table")
+            for sub, sub_value in value.items():
+                setting = FILE_KEYS.get(f"{top}.{sub}")
+                if setting is None:
+                    raise ConfigError(f"unknown key {top}.{sub}")
+                values[setting.name] = _typed(setting, f"{top}.{sub}", sub_value)
+            continue
+        setting = FILE_KEYS.get(top)
+        if setting is None:
+            raise ConfigError(f"unknown key {top}")
+        if setting.kind is list:
+            values[setting.name] = _file_workers(value)
+        else:
+            values[setting.name] = _typed(setting, top, value)
+    return values
+
+
+def env_values(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The settings ``SESSIONROUTER_<NAME>`` variables give, by setting name."""
+    values: dict[str, Any] = {}
+    for s in SETTINGS:
+        text = environ.get(s.env)
+        if text is None or text == "":
+            continue
+        values[s.name] = _from_text(s, s.env, text)
+    return values
+
+
+def _from_text(s: Setting, where: str, text: str) -> Any:
+    if s.kind is list:
+        return tuple(text.split())
+    if s.kind is bool:
+        lowered = text.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where} must be true or false, got {text!r}")
+    try:
+        value = s.kind(text)
+    except ValueError:
+        raise ConfigError(f"{where} must be a {s.kind.__name__}, got {text!r}") from None
+    return _typed(s, where, value)
+
+
+def _typed(s: Setting, where: str, value: Any) -> Any:
+    kind = s.kind
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ConfigError(f"{where}{key} must be a {kind.__name__}, got {value!r}")
+        raise ConfigError(f"{where} must be a {kind.__name__}, got {value!r}")
     if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{where}{key} must be finite, got {value!r}")
+        raise ConfigError(f"{where} must be finite, got {value!r}")
+    if s.choices is not None and value not in s.choices:
+        allowed = " or ".join(repr(c) for c in s.choices)
+        raise ConfigError(f"{where} must be {allowed}, got {value!r}")
     return value
 
 
-def _pick(flag: Any, file_value: Any, default: Any) -> Any:
-    if flag is not None:
-        return flag
-    return default if file_value is None else file_value
+def _file_workers(items: Any) -> tuple[WorkerSpec, ...]:
+    if not isinstance(items, list):
+        raise ConfigError("workers must be an array of tables ([[workers]])")
+    specs = []
+    for i, item in enumerate(items):
+        where = f"workers[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError(f"{where} must be a table")
+        unknown = sorted(set(item) - WORKER_KEYS)
+        if unknown:
+            raise ConfigError(f"unknown key {where}.{unknown[0]}")
+        labels = item.get("labels", {})
+        if not isinstance(labels, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
+        ):
+            raise ConfigError(f"{where}.labels must map strings to strings")
+        worker_id = _entry(item, "worker_id", str, where) or ""
+        address = _entry(item, "address", str, where) or ""
+        capacity = _entry(item, "capacity", int, where) or 1
+        specs.append(_worker(worker_id, address, capacity, labels, where))
+    return tuple(specs)
+
+
+def _entry(item: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
+    value = item.get(key)
+    if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+        raise ConfigError(f"{where}.{key} must be a {kind.__name__}, got {value!r}")
+    return value
 
 
 def parse_worker_flag(text: str) -> WorkerSpec:
@@ -174,90 +387,64 @@ def _worker(
     return WorkerSpec(worker_id, address, capacity, labels)
 
 
-def _file_workers(items: Any) -> list[WorkerSpec]:
-    if not isinstance(items, list):
-        raise ConfigError("workers must be an array of tables ([[workers]])")
-    specs = []
-    for i, item in enumerate(items):
-        where = f"workers[{i}]"
-        if not isinstance(item, dict):
-            raise ConfigError(f"{where} must be a table")
-        labels = item.get("labels", {})
-        if not isinstance(labels, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
-        ):
-            raise ConfigError(f"{where}.labels must map strings to strings")
-        specs.append(
-            _worker(
-                _get(item, "worker_id", str, f"{where}.") or "",
-                _get(item, "address", str, f"{where}.") or "",
-                _get(item, "capacity", int, f"{where}.") or 1,
-                labels,
-                where,
-            )
-        )
-    return specs
+# -- merging -------------------------------------------------------------------------------
 
 
-def build_config(flags: Overrides, file_data: Mapping[str, Any] | None = None) -> ServerConfig:
-    """Merges defaults, the config file and the flags into a validated ServerConfig."""
-    data = dict(file_data or {})
-    est = data.get("estimator", {}) or {}
-    grp = data.get("groups", {}) or {}
-    red = data.get("reducer", {}) or {}
-    for name, section in (("estimator", est), ("groups", grp), ("reducer", red)):
-        if not isinstance(section, dict):
-            raise ConfigError(f"{name} must be a table")
-    defaults = RouterSettings()
-    estimator = EstimatorParams(
-        name=_pick(flags.estimator, _get(est, "name", str, "estimator."), defaults.estimator.name),
-        eps=_pick(flags.eps, _get(est, "eps", float, "estimator."), defaults.estimator.eps),
-        ddof=_pick(flags.ddof, _get(est, "ddof", int, "estimator."), defaults.estimator.ddof),
-        batch_std=_pick(
-            flags.batch_std,
-            _get(est, "batch_std", bool, "estimator."),
-            defaults.estimator.batch_std,
-        ),
-    )
+@dataclass(frozen=True, slots=True)
+class Sources:
+    """The values each source gave, by setting name (absent: not given there)."""
+
+    flags: Mapping[str, Any] = field(default_factory=dict)
+    env: Mapping[str, Any] = field(default_factory=dict)
+    file: Mapping[str, Any] = field(default_factory=dict)
+
+    def get(self, name: str) -> Any:
+        """The winning value: flag, then environment, then file, then the default."""
+        for source in (self.flags, self.env, self.file):
+            value = source.get(name)
+            if value is not None:
+                return value
+        return BY_NAME[name].default
+
+    def given(self, name: str) -> bool:
+        return any(source.get(name) is not None for source in (self.flags, self.env, self.file))
+
+
+def flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given as flags (argparse leaves the others None)."""
+    return {s.name: getattr(args, s.name) for s in SETTINGS if getattr(args, s.name) is not None}
+
+
+def build_config(
+    flags: Mapping[str, Any] | None = None,
+    file: Mapping[str, Any] | None = None,
+    env: Mapping[str, Any] | None = None,
+    token_env: str | None = None,
+) -> ServerConfig:
+    """Merges the values of each source (by setting name; ``file_values``, ``env_values``)
+    into a validated ServerConfig. ``token_env`` is the token from ``$SESSIONROUTER_TOKEN``."""
+    src = Sources(flags or {}, env or {}, file or {})
+    get = src.get
+    estimator = EstimatorParams(get("estimator"), get("eps"), get("ddof"), get("batch_std"))
     try:
         validate_params(estimator)
     except ValueError as exc:
         raise ConfigError(f"estimator: {exc}") from None
-    placement_name = _pick(flags.placement, _get(data, "placement", str, ""), "spread")
     try:
-        placement = PlacementMode(placement_name)
+        placement = PlacementMode(get("placement"))
     except ValueError:
         raise ConfigError(
-            f"placement must be 'spread' or 'strict', got {placement_name!r}"
+            f"placement must be 'spread' or 'strict', got {get('placement')!r}"
         ) from None
-    window_ms = _pick(
-        flags.reducer_window_ms,
-        _get(red, "window_ms", float, "reducer."),
-        defaults.reducer_window_s * 1000,
-    )
     settings = RouterSettings(
-        heartbeat_timeout_s=_pick(
-            flags.heartbeat_timeout_s,
-            _get(data, "heartbeat_timeout_s", float, ""),
-            defaults.heartbeat_timeout_s,
-        ),
+        heartbeat_timeout_s=get("heartbeat_timeout_s"),
         estimator=estimator,
-        deadline_s=_pick(
-            flags.deadline_s, _get(grp, "deadline_s", float, "groups."), defaults.deadline_s
-        ),
-        min_members=_pick(
-            flags.min_members, _get(grp, "min_members", int, "groups."), defaults.min_members
-        ),
+        deadline_s=get("deadline_s"),
+        min_members=get("min_members"),
         placement_mode=placement,
-        reducer_window_s=window_ms / 1000,
-        reducer_max_batch=_pick(
-            flags.reducer_max_batch,
-            _get(red, "max_batch", int, "reducer."),
-            defaults.reducer_max_batch,
-        ),
-        feed_retention=_pick(
-            flags.feed_retention, _get(data, "feed_retention", int, ""), defaults.feed_retention
-        ),
+        reducer_window_s=get("reducer_window_ms") / 1000,
+        reducer_max_batch=get("reducer_max_batch"),
+        feed_retention=get("feed_retention"),
     )
     _check_positive("heartbeat_timeout_s", settings.heartbeat_timeout_s)
     _check_positive("groups.deadline_s", settings.deadline_s)
@@ -268,9 +455,10 @@ def build_config(flags: Overrides, file_data: Mapping[str, Any] | None = None) -
     if settings.reducer_window_s < 0:
         raise ConfigError("reducer.window_ms must not be negative")
 
-    workers = _file_workers(data.get("workers", []))
-    workers += [parse_worker_flag(w) for w in flags.workers]
-    demo = _pick(flags.demo_workers, _get(data, "demo_workers", int, ""), 0)
+    workers = list(src.file.get("workers", ()))
+    for given in (src.env.get("workers", ()), src.flags.get("workers", ())):
+        workers += [w if isinstance(w, WorkerSpec) else parse_worker_flag(w) for w in given]
+    demo = get("demo_workers")
     if demo < 0:
         raise ConfigError("demo_workers must not be negative")
     workers += [
@@ -282,74 +470,71 @@ def build_config(flags: Overrides, file_data: Mapping[str, Any] | None = None) -
     if duplicates:
         raise ConfigError(f"workers: ids given twice: {duplicates}")
 
-    token = flags.auth_token
-    token_file = _get(data, "auth_token_file", str, "")
-    if token is None and token_file:
-        try:
-            token = Path(token_file).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"auth_token_file {token_file!r}: {exc.strerror}") from None
-    tls_cert = _pick(flags.tls_cert_file, _get(data, "tls_cert_file", str, ""), None)
-    tls_key = _pick(flags.tls_key_file, _get(data, "tls_key_file", str, ""), None)
+    tls_cert, tls_key = get("tls_cert_file"), get("tls_key_file")
     if bool(tls_cert) != bool(tls_key):
         raise ConfigError("TLS needs both tls_cert_file and tls_key_file")
-    base = ServerConfig()
     config = ServerConfig(
-        listen=_pick(flags.listen, _get(data, "listen", str, ""), base.listen),
+        listen=get("listen"),
         router=settings,
         workers=tuple(workers),
-        grace_s=_pick(flags.grace_s, _get(data, "grace_s", float, ""), base.grace_s),
-        shutdown_delay_s=_pick(
-            flags.shutdown_delay_s,
-            _get(data, "shutdown_delay_s", float, ""),
-            base.shutdown_delay_s,
-        ),
-        keepalive_time_s=_pick(
-            flags.keepalive_time_s, _get(data, "keepalive_time_s", float, ""), base.keepalive_time_s
-        ),
-        max_connection_age_s=_pick(
-            flags.max_connection_age_s, _get(data, "max_connection_age_s", float, ""), None
-        ),
-        auth_token=token or None,
+        grace_s=get("grace_s"),
+        shutdown_delay_s=get("shutdown_delay_s"),
+        keepalive_time_s=get("keepalive_time_s"),
+        max_connection_age_s=get("max_connection_age_s"),
+        auth_token=_token(src, token_env),
         tls_cert_file=tls_cert,
         tls_key_file=tls_key,
-        metrics_port=_pick(flags.metrics_port, _get(data, "metrics_port", int, ""), None),
+        metrics_port=get("metrics_port"),
+        journal=_journal(src),
     )
     _check_positive("grace_s", config.grace_s)
     if not 0 <= config.shutdown_delay_s <= 3600:
         raise ConfigError(
             f"shutdown_delay_s must be between 0 and 3600, got {config.shutdown_delay_s}"
         )
-    return dataclasses.replace(config, journal=_journal(flags, data.get("journal", {}) or {}))
+    return config
 
 
-def _journal(flags: Overrides, section: Any) -> JournalConfig | None:
-    """The journal settings: flags win over the file; no setting at all means ./state."""
-    if not isinstance(section, dict):
-        raise ConfigError("journal must be a table")
-    unknown = sorted(set(section) - _JOURNAL_KEYS)
-    if unknown:
-        raise ConfigError(f"journal: unknown keys {unknown}")
-    if flags.in_memory and flags.state_dir is not None:
-        raise ConfigError("--in-memory and --state-dir exclude each other")
-    file_dir = _get(section, "state_dir", str, "journal.")
-    file_in_memory = _get(section, "in_memory", bool, "journal.") or False
-    if file_in_memory and file_dir is not None:
-        raise ConfigError("journal.in_memory and journal.state_dir exclude each other")
-    sync_name = _pick(flags.journal_sync, _get(section, "sync", str, "journal."), "full")
+def _token(src: Sources, token_env: str | None) -> str | None:
+    """A token file given as a flag, then ``$SESSIONROUTER_TOKEN``, then a token file from
+    the environment or the config file."""
+    path = src.flags.get("auth_token_file")
+    if path is None and token_env:
+        return token_env
+    path = path or src.get("auth_token_file")
+    if not path:
+        return None
     try:
-        sync = SyncMode(sync_name)
+        return Path(path).read_text().strip() or None
+    except OSError as exc:
+        raise ConfigError(f"auth_token_file {path!r}: {exc.strerror}") from None
+
+
+def _journal(src: Sources) -> JournalConfig | None:
+    """The journal settings; no setting at all means ./state. ``in_memory`` and
+    ``state_dir`` exclude each other within one source; across sources the stronger wins."""
+    for source, where in (
+        (src.flags, "--in-memory and --state-dir"),
+        (src.env, "SESSIONROUTER_IN_MEMORY and SESSIONROUTER_STATE_DIR"),
+        (src.file, "journal.in_memory and journal.state_dir"),
+    ):
+        if source.get("in_memory") and source.get("state_dir") is not None:
+            raise ConfigError(f"{where} exclude each other")
+    try:
+        sync = SyncMode(src.get("journal_sync"))
     except ValueError:
-        raise ConfigError(f"journal.sync must be 'full' or 'normal', got {sync_name!r}") from None
-    check = _get(section, "check_on_start", bool, "journal.")
-    if flags.in_memory:
-        return None
-    if flags.state_dir is None and file_in_memory:
-        return None
-    state_dir = flags.state_dir or file_dir or DEFAULT_STATE_DIR
-    if not state_dir:
+        raise ConfigError(
+            f"journal.sync must be 'full' or 'normal', got {src.get('journal_sync')!r}"
+        ) from None
+    for source in (src.flags, src.env, src.file):
+        if source.get("in_memory"):
+            return None
+        if source.get("state_dir") is not None:
+            break
+    state_dir = src.get("state_dir") or DEFAULT_STATE_DIR
+    if src.given("state_dir") and not src.get("state_dir"):
         raise ConfigError("the state directory must not be empty")
-    return JournalConfig(state_dir, sync, True if check is None else check)
+    return JournalConfig(state_dir, sync, src.get("check_on_start"))
 
 
 def _check_positive(key: str, value: float) -> None:
@@ -357,4 +542,17 @@ def _check_positive(key: str, value: float) -> None:
         raise ConfigError(f"{key} must be positive, got {value}")
 
 
-OVERRIDE_FIELDS = tuple(f.name for f in fields(Overrides))
+# -- documentation -------------------------------------------------------------------------
+
+
+def settings_table() -> str:
+    """The README's settings table (Markdown), generated from ``SETTINGS``."""
+    lines = [
+        "| flag | file key | environment | default | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for s in SETTINGS:
+        default = "" if s.default in (None, (), "") else f"`{_shown(s.default)}`"
+        key = f"`{s.key}`" if s.key else ""
+        lines.append(f"| `{s.flag}` | {key} | `{s.env}` | {default} | {s.help} |")
+    return "\n".join(lines) + "\n"

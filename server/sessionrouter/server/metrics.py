@@ -33,54 +33,50 @@ class RouterCollector(Collector):
         self._families = list(self._snapshot())
 
     def _snapshot(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        router = self._router
+        snap = self._router.snapshot()
         workers = GaugeMetricFamily(
             "sessionrouter_workers", "Registered workers by state", labels=["state"]
         )
-        healthy = sum(1 for w in router.workers if w.healthy)
-        draining = sum(1 for w in router.workers if w.draining)
-        workers.add_metric(["healthy"], healthy)
-        workers.add_metric(["unhealthy"], len(router.workers) - healthy)
-        workers.add_metric(["draining"], draining)
-        workers.add_metric(["eligible"], router.workers.eligible_count)
+        workers.add_metric(["healthy"], snap.workers_healthy)
+        workers.add_metric(["unhealthy"], snap.workers_unhealthy)
+        workers.add_metric(["draining"], snap.workers_draining)
+        workers.add_metric(["eligible"], snap.workers_eligible)
         yield workers
         yield GaugeMetricFamily(
             "sessionrouter_open_sessions",
             "Sessions holding a worker slot",
-            value=sum(len(w.open_sessions) for w in router.workers),
+            value=snap.open_sessions,
         )
         yield GaugeMetricFamily(
             "sessionrouter_open_groups",
             "Groups waiting for members or rewards",
-            value=router.groups.open_groups,
+            value=snap.open_groups,
         )
         sessions = CounterMetricFamily(
             "sessionrouter_sessions_started", "Sessions placed", labels=["placement"]
         )
-        sessions.add_metric(["distinct"], router.stats.sessions_distinct)
-        sessions.add_metric(["shared"], router.stats.sessions_shared)
+        sessions.add_metric(["distinct"], snap.sessions_distinct)
+        sessions.add_metric(["shared"], snap.sessions_shared)
         yield sessions
         rewards = CounterMetricFamily(
             "sessionrouter_rewards", "Reward entries by result", labels=["status"]
         )
-        for status, count in router.stats.rewards.items():
+        for status, count in snap.rewards.items():
             rewards.add_metric([status.value], count)
         yield rewards
         groups = CounterMetricFamily(
             "sessionrouter_groups_finished", "Finished groups by outcome", labels=["outcome"]
         )
-        for outcome, count in router.stats.groups_finished.items():
+        for outcome, count in snap.groups_finished.items():
             groups.add_metric([outcome.value], count)
         yield groups
         yield CounterMetricFamily(
-            "sessionrouter_reducer_batches",
-            "Micro-batches reduced",
-            value=router.finalizer.batches,
+            "sessionrouter_reducer_batches", "Micro-batches reduced", value=snap.reducer_batches
         )
         yield GaugeMetricFamily(
             "sessionrouter_feed_cursor",
             "Cursor of the newest group on the feed",
-            value=router.feed.last_cursor,
+            value=snap.feed_cursor,
         )
 
 

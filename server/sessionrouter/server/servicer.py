@@ -5,10 +5,9 @@ synchronously (so the call is atomic on the event loop), converts the records it
 messages *before* awaiting anything, then awaits the durability barrier so that nothing is
 acknowledged before it is journaled.
 
-A SubmitRewards stream does not wait for one request's barrier before reading the next: it
-takes the barrier at once and hands it, with the ack, to a sender that acks in request order as
-each becomes durable. So consecutive requests of one stream share journal batches, and one
-stream sending small requests is not held to one request per fsync.
+A SubmitRewards stream is a ``core.streams.RewardFlow``: the flow keeps the stream's promise
+(ack order, results after acks, back-pressure, limits); the handler only converts requests in
+and events out, and ends the stream.
 """
 
 from __future__ import annotations
@@ -16,16 +15,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Generator
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import NoReturn
 
 import grpc
 
 from sessionrouter.server import convert, paging
-from sessionrouter.server.core.errors import InvalidArgument, RouterError, Unavailable
+from sessionrouter.server.core.errors import RouterError, Unavailable
 from sessionrouter.server.core.router import SessionRouter
-from sessionrouter.server.core.streams import RewardAck, RewardStream, StreamEvent
+from sessionrouter.server.core.streams import (
+    Commit,
+    Entries,
+    RewardAck,
+    RewardFlow,
+    StreamEvent,
+    no_journal,
+)
 from sessionrouter.server.status import to_status
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
@@ -34,9 +39,6 @@ from sessionrouter.v1 import worker_service_pb2_grpc as wpb_grpc
 
 log = logging.getLogger("sessionrouter.servicer")
 
-MAX_ENTRIES_PER_REQUEST = 4096
-STREAM_BACKLOG_LIMIT = 1024
-"""Queued responses of one SubmitRewards stream beyond which its reader stops reading."""
 FEED_READ_BATCH = 256
 """Groups per SubscribeGroups message, at most."""
 RESULTS_PER_MESSAGE = 256
@@ -44,32 +46,6 @@ RESULTS_PER_MESSAGE = 256
 
 AFTER_CURSOR_HEADER = "sessionrouter-after-cursor"
 """SubscribeGroups response header: the cursor the stream delivers after (decimal)."""
-
-MAX_UNACKED_REQUESTS = 256
-"""Requests of one SubmitRewards stream applied but not yet acked (waiting for the journal)
-beyond which the stream stops reading: bounds what a fast sender can queue."""
-
-Commit = Callable[[], Awaitable[None]]
-"""Returns an awaitable that resolves once every state change made *before the call* is
-durable; it raises the core's Unavailable once the journal has failed."""
-
-
-class _AlreadyDurable:
-    """The commit of a router without a journal: nothing to wait for. Not a coroutine, so one
-    taken and never awaited (a stream cancelled with acks queued) leaves no warning behind."""
-
-    __slots__ = ()
-
-    def __await__(self) -> Generator[None, None, None]:
-        yield from ()
-
-
-ALREADY_DURABLE = _AlreadyDurable()
-
-
-def no_journal() -> Awaitable[None]:
-    """The Commit of a router that keeps its state in memory only."""
-    return ALREADY_DURABLE
 
 
 async def _abort(context: grpc.aio.ServicerContext[object, object], error: RouterError) -> NoReturn:
@@ -83,6 +59,14 @@ async def _durable(commit: Commit, context: grpc.aio.ServicerContext[object, obj
         await commit()
     except RouterError as error:
         await _abort(context, error)
+
+
+async def _reward_requests(
+    requests: AsyncIterable[spb.SubmitRewardsRequest],
+) -> AsyncIterator[tuple[int, Entries]]:
+    """The requests of a SubmitRewards stream as the core's (sequence, entries) pairs."""
+    async for request in requests:
+        yield request.sequence, [(e.session, e.reward) for e in request.entries]
 
 
 def _pack_stream_events(events: list[StreamEvent]) -> list[spb.SubmitRewardsResponse]:
@@ -175,7 +159,7 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         self, request: wpb.GetWorkerRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> wpb.GetWorkerResponse:
         try:
-            worker = self._router.workers.get(request.worker_id)
+            worker = self._router.get_worker(request.worker_id)
         except RouterError as error:
             await _abort(context, error)
         return wpb.GetWorkerResponse(worker=convert.worker_to_proto(worker))
@@ -187,7 +171,7 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
             after = paging.decode("workers", request.page_token)
         except RouterError as error:
             await _abort(context, error)
-        workers, last = self._router.workers.page(paging.page_size(request.page_size), after)
+        workers, last = self._router.list_workers(paging.page_size(request.page_size), after)
         return wpb.ListWorkersResponse(
             workers=[convert.worker_to_proto(w) for w in workers],
             next_page_token=paging.encode("workers", last),
@@ -201,7 +185,7 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
         self._router = router
         self._commit = commit
         self._draining = False
-        self._reward_intakes: set[asyncio.Task[None]] = set()
+        self._reward_flows: set[RewardFlow] = set()
 
     async def StartSession(
         self, request: spb.StartSessionRequest, context: grpc.aio.ServicerContext[object, object]
@@ -272,7 +256,7 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
             state = convert.group_state_from_proto(request.state)
         except RouterError as error:
             await _abort(context, error)
-        found, next_seq = self._router.groups.page(
+        found, next_seq = self._router.list_groups(
             paging.page_size(request.page_size), after, state
         )
         return spb.ListGroupsResponse(
@@ -287,8 +271,9 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
     ) -> AsyncIterator[spb.SubmitRewardsResponse]:
         if self._draining:
             await _abort(context, self._draining_error("reward stream"))
-        stream = RewardStream()
-        reader = asyncio.create_task(self._read_rewards(request_iterator, stream))
+        stream = RewardFlow(self._router.submit_rewards, self._commit)
+        self._reward_flows.add(stream)
+        reader = asyncio.create_task(stream.read(_reward_requests(request_iterator)))
         try:
             async for batch in stream.batches():
                 for response in _pack_stream_events(batch):
@@ -300,55 +285,11 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
             if isinstance(error, RouterError):
                 await _abort(context, error)
         finally:
+            self._reward_flows.discard(stream)
             if not reader.done():
                 reader.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await reader
-
-    async def _read_rewards(
-        self, requests: AsyncIterable[spb.SubmitRewardsRequest], stream: RewardStream
-    ) -> None:
-        acks = _DurableAcks(stream)
-        # The intake is its own task so that drain() can stop the reading alone: the acks of
-        # what was applied still go out below.
-        intake = asyncio.create_task(self._apply_rewards(requests, stream, acks))
-        self._reward_intakes.add(intake)
-        intake.add_done_callback(self._reward_intakes.discard)
-        try:
-            try:
-                await intake
-            finally:
-                # Also when this request failed: the earlier ones still get their acks.
-                await acks.close()
-        finally:
-            acks.cancel()
-            stream.end_input()
-
-    async def _apply_rewards(
-        self,
-        requests: AsyncIterable[spb.SubmitRewardsRequest],
-        stream: RewardStream,
-        acks: _DurableAcks,
-    ) -> None:
-        async for request in requests:
-            await stream.room(STREAM_BACKLOG_LIMIT)
-            if len(request.entries) > MAX_ENTRIES_PER_REQUEST:
-                raise InvalidArgument(
-                    "TOO_MANY_ENTRIES",
-                    f"a request carries {len(request.entries)} entries, at most"
-                    f" {MAX_ENTRIES_PER_REQUEST} allowed",
-                    metadata={
-                        "entries": len(request.entries),
-                        "limit": MAX_ENTRIES_PER_REQUEST,
-                    },
-                    field_violations=[("entries", f"at most {MAX_ENTRIES_PER_REQUEST}")],
-                )
-            number = stream.begin_request()
-            outcomes = self._router.submit_rewards(
-                [(e.session, e.reward) for e in request.entries], origin=(stream, number)
-            )
-            acks.add(self._commit(), number, RewardAck(request.sequence, outcomes))
-            await acks.room(MAX_UNACKED_REQUESTS)
 
     async def SubscribeGroups(
         self,
@@ -382,8 +323,8 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
         client reconnects and resends what was not acknowledged. Streams opened after this
         end at once the same way."""
         self._draining = True
-        for intake in self._reward_intakes:
-            intake.cancel()
+        for flow in self._reward_flows:
+            flow.stop_intake()
 
     def _draining_error(self, what: str, cursor: int | None = None) -> Unavailable:
         metadata = {} if cursor is None else {"cursor": cursor}
@@ -394,59 +335,3 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
             retry_after_s=self._router.settings.retry_after_s,
             metadata=metadata,
         )
-
-
-class _DurableAcks:
-    """Acks of one SubmitRewards stream, sent in request order, each once durable.
-
-    The reader adds (barrier, ack) pairs without waiting; one task awaits the barriers in
-    order and queues the acks on the stream. Barriers of one journal resolve in order, so
-    awaiting them in order costs nothing extra."""
-
-    def __init__(self, stream: RewardStream) -> None:
-        self._stream = stream
-        self._queue: deque[tuple[Awaitable[None], int, RewardAck]] = deque()
-        self._added = asyncio.Event()
-        self._sent = asyncio.Event()
-        self._closing = False
-        self._task = asyncio.create_task(self._send(), name="reward-acks")
-
-    def add(self, durable: Awaitable[None], number: int, ack: RewardAck) -> None:
-        self._queue.append((durable, number, ack))
-        self._added.set()
-
-    async def room(self, limit: int) -> None:
-        """Waits while more than ``limit`` acks are queued; raises what failed the sender."""
-        while len(self._queue) > limit and not self._task.done():
-            self._sent.clear()
-            await self._sent.wait()
-        if self._task.done():
-            self._task.result()
-
-    async def close(self) -> None:
-        """Waits until every ack added so far is sent; raises what failed the sender."""
-        self._closing = True
-        self._added.set()
-        await self._task
-
-    def cancel(self) -> None:
-        if not self._task.done():
-            self._task.cancel()
-        elif not self._task.cancelled():
-            self._task.exception()  # retrieved: whoever needed it got it from close()
-
-    async def _send(self) -> None:
-        try:
-            while True:
-                while self._queue:
-                    durable, number, ack = self._queue[0]
-                    await durable
-                    self._queue.popleft()
-                    self._stream.ack(number, ack)
-                    self._sent.set()
-                if self._closing:
-                    return
-                self._added.clear()
-                await self._added.wait()
-        finally:
-            self._sent.set()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from sessionrouter.server.core.feed import GroupResult
-from sessionrouter.server.core.groups import SessionRecord
+from sessionrouter.server.core.groups import GroupRecord, SessionRecord
 
 
 class WorkerSaved(NamedTuple):
@@ -125,6 +125,40 @@ Event = (
     | SessionLost
     | GroupFinalized
 )
+
+
+def group_created(group: GroupRecord) -> GroupCreated:
+    """The event of a new group, copied from its record."""
+    settings = group.settings
+    estimator = settings.estimator
+    return GroupCreated(
+        group.seq,
+        group.group_id,
+        group.task_id,
+        group.size,
+        estimator.name,
+        estimator.eps,
+        estimator.ddof,
+        estimator.batch_std,
+        settings.deadline_s,
+        settings.min_members,
+        group.create_time,
+        group.deadline_wall,
+    )
+
+
+def session_started(group: GroupRecord, session: SessionRecord) -> SessionStarted:
+    """The event of a placed member, copied from its record."""
+    return SessionStarted(
+        group.seq,
+        session.index,
+        session.worker_id,
+        session.worker_address,
+        session.request_id,
+        session.metadata,
+        session.create_time,
+        session.shared_worker,
+    )
 
 
 class JournalSink(Protocol):

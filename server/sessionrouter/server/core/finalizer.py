@@ -29,7 +29,7 @@ from sessionrouter.server.core.events import GroupFinalized, JournalSink
 from sessionrouter.server.core.feed import GroupFeed, GroupOutcome, GroupResult
 from sessionrouter.server.core.groups import GroupRecord, SessionRecord
 from sessionrouter.server.core.reducer import AdvantageReducer
-from sessionrouter.server.core.streams import RewardStream
+from sessionrouter.server.core.streams import StreamOrigin
 
 log = logging.getLogger("sessionrouter.finalizer")
 
@@ -47,8 +47,8 @@ class FinishedGroup:
     excluded: tuple[SessionRecord, ...]
     finalize_time: float
     """Unix seconds."""
-    origin: tuple[RewardStream, int] | None
-    """The stream and request number whose reward finished the group, if any."""
+    origin: StreamOrigin | None
+    """The stream and request whose reward finished the group, if any."""
 
 
 Listener = Callable[[GroupResult, GroupRecord], None]
@@ -93,7 +93,7 @@ class GroupFinalizer:
     def submit(self, finished: FinishedGroup) -> None:
         """Queues a finished group; the run loop reduces it within ``window_s``."""
         if finished.origin is not None:
-            finished.origin[0].expect_group()
+            finished.origin.flow.expect_group()
         self._pending.append(finished)
         self._wake.set()
 
@@ -189,8 +189,7 @@ class GroupFinalizer:
         finished.group.cursor = result.cursor
         self.feed.publish(result)
         if finished.origin is not None:
-            stream, request_number = finished.origin
-            stream.deliver(request_number, result)
+            finished.origin.flow.deliver(finished.origin.request, result)
         for listener in self.listeners:
             listener(result, finished.group)
 

@@ -1,23 +1,47 @@
-"""Ordering of the events of one SubmitRewards stream.
+"""The promise of one SubmitRewards stream, kept in one place.
 
-A stream answers every request with one ack, in request order, and also carries the results of
-the groups that its rewards completed. Those results are reduced asynchronously (in
-micro-batches), and an ack may itself wait for the journal, so either can be ready first. This
-class makes the order on the wire the one the contract promises: a group result always goes
-out after the ack of the request that completed it. It also lets the stream end only once every
-group it completed has been delivered, so that a client that half-closes right after its last
-reward still receives the advantages.
+A stream answers every request with one ack, in request order, and also carries the results
+of the groups that its rewards completed. Those results are reduced asynchronously (in
+micro-batches), and an ack waits for the journal, so either can be ready first. ``RewardFlow``
+makes the order on the wire the one the contract promises:
+
+- acks go out in request order, each once the changes of its request are durable;
+- a group result always goes out after the ack of the request that completed it;
+- the stream ends only once every group it completed has been delivered, so that a client
+  that half-closes right after its last reward still receives the advantages;
+- the flow stops reading when the client does not read its responses
+  (``STREAM_BACKLOG_LIMIT``) or the journal falls behind (``MAX_UNACKED_REQUESTS``), instead of
+  queueing without bound;
+- a request with more than ``MAX_ENTRIES_PER_REQUEST`` entries is refused (InvalidArgument),
+  ending the stream after the acks of the requests before it.
+
+A request does not wait for its own durability before the next one is read: the flow takes
+the durability point at once and hands it, with the ack, to a sender that acks in request
+order as each becomes durable. So consecutive requests of one stream share journal batches,
+and one stream sending small requests is not held to one request per fsync.
+
+The transport only converts: it feeds ``read`` with (sequence, entries) pairs and writes
+what ``batches`` yields.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from sessionrouter.server.core.errors import InvalidArgument
 from sessionrouter.server.core.feed import GroupResult
 from sessionrouter.server.core.rewards import RewardOutcome
+
+MAX_ENTRIES_PER_REQUEST = 4096
+STREAM_BACKLOG_LIMIT = 1024
+"""Queued responses of one stream beyond which its reader stops reading."""
+MAX_UNACKED_REQUESTS = 256
+"""Requests of one stream applied but not yet acked (waiting for the journal) beyond which
+the stream stops reading: bounds what a fast sender can queue."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,11 +54,59 @@ class RewardAck:
 
 StreamEvent = RewardAck | GroupResult
 
+Entries = Sequence[tuple[str, float]]
+"""(session name, reward) pairs of one request."""
+Submit = Callable[[Entries, "StreamOrigin"], list[RewardOutcome]]
+"""Applies one request's entries (``SessionRouter.submit_rewards``)."""
+Commit = Callable[[], Awaitable[None]]
+"""Returns an awaitable that resolves once every state change made *before the call* is
+durable; it raises the core's Unavailable once the journal has failed."""
 
-class RewardStream:
-    """Per-stream event queue with ack-before-result ordering."""
 
-    def __init__(self) -> None:
+class _AlreadyDurable:
+    """The commit of a router without a journal: nothing to wait for. Not a coroutine, so one
+    taken and never awaited (a stream cancelled with acks queued) leaves no warning behind."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[None, None, None]:
+        yield from ()
+
+
+ALREADY_DURABLE = _AlreadyDurable()
+
+
+def no_journal() -> Awaitable[None]:
+    """The Commit of a router that keeps its state in memory only."""
+    return ALREADY_DURABLE
+
+
+class StreamOrigin(NamedTuple):
+    """Where a reward came from: the flow and the number of its request in that flow. A
+    group that reward finishes owes its result to that flow, after that request's ack."""
+
+    flow: RewardFlow
+    request: int
+
+
+def check_entries(count: int) -> None:
+    """InvalidArgument TOO_MANY_ENTRIES for a request of more than the allowed entries."""
+    if count > MAX_ENTRIES_PER_REQUEST:
+        raise InvalidArgument(
+            "TOO_MANY_ENTRIES",
+            f"a request carries {count} entries, at most {MAX_ENTRIES_PER_REQUEST} allowed",
+            metadata={"entries": count, "limit": MAX_ENTRIES_PER_REQUEST},
+            field_violations=[("entries", f"at most {MAX_ENTRIES_PER_REQUEST}")],
+        )
+
+
+class RewardFlow:
+    """One SubmitRewards stream: reads requests, applies them, and queues acks and results
+    in the promised order (see the module docstring)."""
+
+    def __init__(self, submit: Submit, commit: Commit) -> None:
+        self._submit = submit
+        self._commit = commit
         self._events: deque[StreamEvent] = deque()
         self._ready = asyncio.Event()
         self._room = asyncio.Event()
@@ -43,6 +115,46 @@ class RewardStream:
         self._held: list[tuple[int, GroupResult]] = []
         self._pending_groups = 0
         self._input_done = False
+        self._intake: asyncio.Task[None] | None = None
+
+    # -- the reading side ------------------------------------------------------------------
+
+    async def read(self, requests: AsyncIterable[tuple[int, Entries]]) -> None:
+        """Applies every (sequence, entries) request until the input ends; raises what
+        ended it early (a RouterError for the client, after the acks of earlier requests),
+        or CancelledError once ``stop_intake`` stopped it (after the acks too)."""
+        acks = _DurableAcks(self)
+        # The intake is its own task so that stop_intake() can stop the reading alone: the
+        # acks of what was applied still go out below.
+        intake = asyncio.create_task(self._take_in(requests, acks))
+        self._intake = intake
+        try:
+            try:
+                await intake
+            finally:
+                # Also when this request failed: the earlier ones still get their acks.
+                await acks.close()
+        finally:
+            acks.cancel()
+            self.end_input()
+
+    async def _take_in(
+        self, requests: AsyncIterable[tuple[int, Entries]], acks: _DurableAcks
+    ) -> None:
+        async for sequence, entries in requests:
+            await self.room(STREAM_BACKLOG_LIMIT)
+            check_entries(len(entries))
+            number = self.begin_request()
+            outcomes = self._submit(entries, StreamOrigin(self, number))
+            acks.add(self._commit(), number, RewardAck(sequence, outcomes))
+            await acks.room(MAX_UNACKED_REQUESTS)
+
+    def stop_intake(self) -> None:
+        """Stops reading requests (a graceful drain): what was applied is still acked and the
+        results owed are still delivered, then ``read`` ends cancelled. No effect before
+        ``read`` started or after its intake ended."""
+        if self._intake is not None and not self._intake.done():
+            self._intake.cancel()
 
     def begin_request(self) -> int:
         """Numbers the next request of this stream (0, 1, 2...)."""
@@ -93,6 +205,8 @@ class RewardStream:
             self._room.clear()
             await self._room.wait()
 
+    # -- the writing side ------------------------------------------------------------------
+
     async def batches(self) -> AsyncIterator[list[StreamEvent]]:
         """Yields everything queued, in wire order, as soon as anything is; ends once input
         ended and nothing is owed. Batching lets the writer pack many group results into
@@ -108,3 +222,59 @@ class RewardStream:
                 return
             self._ready.clear()
             await self._ready.wait()
+
+
+class _DurableAcks:
+    """Acks of one flow, sent in request order, each once durable.
+
+    The reader adds (barrier, ack) pairs without waiting; one task awaits the barriers in
+    order and queues the acks on the flow. Barriers of one journal resolve in order, so
+    awaiting them in order costs nothing extra."""
+
+    def __init__(self, flow: RewardFlow) -> None:
+        self._flow = flow
+        self._queue: deque[tuple[Awaitable[None], int, RewardAck]] = deque()
+        self._added = asyncio.Event()
+        self._sent = asyncio.Event()
+        self._closing = False
+        self._task = asyncio.create_task(self._send(), name="reward-acks")
+
+    def add(self, durable: Awaitable[None], number: int, ack: RewardAck) -> None:
+        self._queue.append((durable, number, ack))
+        self._added.set()
+
+    async def room(self, limit: int) -> None:
+        """Waits while more than ``limit`` acks are queued; raises what failed the sender."""
+        while len(self._queue) > limit and not self._task.done():
+            self._sent.clear()
+            await self._sent.wait()
+        if self._task.done():
+            self._task.result()
+
+    async def close(self) -> None:
+        """Waits until every ack added so far is sent; raises what failed the sender."""
+        self._closing = True
+        self._added.set()
+        await self._task
+
+    def cancel(self) -> None:
+        if not self._task.done():
+            self._task.cancel()
+        elif not self._task.cancelled():
+            self._task.exception()  # retrieved: whoever needed it got it from close()
+
+    async def _send(self) -> None:
+        try:
+            while True:
+                while self._queue:
+                    durable, number, ack = self._queue[0]
+                    await durable
+                    self._queue.popleft()
+                    self._flow.ack(number, ack)
+                    self._sent.set()
+                if self._closing:
+                    return
+                self._added.clear()
+                await self._added.wait()
+        finally:
+            self._sent.set()

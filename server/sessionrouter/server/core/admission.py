@@ -1,0 +1,107 @@
+"""The rules a start request must meet before anything is placed: its fields, the group it
+joins, and the options a new group gets. Pure functions over the request and the state they
+are given; raising is the whole effect."""
+
+from __future__ import annotations
+
+from sessionrouter.server.core.commands import OptionsSpec, StartGroupCommand, StartSessionCommand
+from sessionrouter.server.core.errors import FailedPrecondition, InvalidArgument
+from sessionrouter.server.core.estimators import EstimatorParams, validate_params
+from sessionrouter.server.core.groups import GroupRecord, GroupSettings, GroupState
+from sessionrouter.server.core.settings import RouterSettings
+from sessionrouter.server.core.validation import (
+    MAX_DEADLINE_S,
+    MAX_GROUP_SIZE,
+    METADATA_VALUE_MAX_LEN,
+    check_id,
+    check_optional_id,
+    check_range,
+    check_string_map,
+)
+
+
+def check_start(
+    cmd: StartSessionCommand | StartGroupCommand, min_group_size: int
+) -> tuple[str, str, dict[str, str]]:
+    """Checks the fields both start commands share; returns (task_id, request_id, metadata)."""
+    task_id = check_id("task_id", cmd.task_id)
+    request_id = check_optional_id("request_id", cmd.request_id)
+    if cmd.group_id is not None:
+        check_id("group_id", cmd.group_id)
+    metadata = check_string_map("metadata", cmd.metadata, METADATA_VALUE_MAX_LEN)
+    check_range("group_size", cmd.group_size, min_group_size, MAX_GROUP_SIZE)
+    return task_id, request_id, metadata
+
+
+def check_joinable(
+    group: GroupRecord,
+    task_id: str,
+    group_size: int,
+    options: OptionsSpec,
+    defaults: RouterSettings,
+) -> None:
+    """Refuses a StartSession that would join ``group`` against the group's rules: another
+    task, another size, other options, a closed or a full group."""
+    gid = group.group_id
+    if group.task_id != task_id:
+        raise InvalidArgument(
+            "TASK_MISMATCH",
+            f"group {gid!r} answers task {group.task_id!r}, not {task_id!r}; the sessions"
+            " of one group must answer one task",
+            metadata={"group_id": gid, "expected": group.task_id, "got": task_id},
+            field_violations=[("task_id", f"group {gid!r} is for {group.task_id!r}")],
+        )
+    if group_size and group_size != group.size:
+        raise InvalidArgument(
+            "GROUP_SIZE_MISMATCH",
+            f"group {gid!r} has size {group.size}, the request says {group_size}",
+            metadata={"group_id": gid, "expected": group.size, "got": group_size},
+            field_violations=[("group_size", f"group {gid!r} has size {group.size}")],
+        )
+    if not options.is_empty() and resolve_options(options, group.size, defaults) != group.settings:
+        raise InvalidArgument(
+            "GROUP_OPTIONS_MISMATCH",
+            f"group {gid!r} was created with other options; leave group_options unset when joining",
+            metadata={"group_id": gid},
+            field_violations=[("group_options", "differ from the group's")],
+        )
+    if group.state is not GroupState.OPEN:
+        raise FailedPrecondition(
+            "GROUP_CLOSED",
+            f"group {gid!r} is {group.state.value}",
+            metadata={"group_id": gid, "state": group.state.value},
+        )
+    if group.full:
+        raise FailedPrecondition(
+            "GROUP_FULL",
+            f"group {gid!r} already has all its {group.size} members",
+            metadata={"group_id": gid, "group_size": group.size, "members": len(group.members)},
+        )
+
+
+def resolve_options(spec: OptionsSpec, size: int, defaults: RouterSettings) -> GroupSettings:
+    """The settings of a new group of ``size``: the caller's options over the server's."""
+    default = defaults.estimator
+    name = spec.estimator or default.name
+    # A server default of grpo with batch_std must not leak into a group that asks for
+    # another estimator (batch_std only means something for grpo).
+    inherited_batch_std = default.batch_std and name == "grpo"
+    estimator = EstimatorParams(
+        name=name,
+        eps=default.eps if spec.eps is None else spec.eps,
+        ddof=default.ddof if spec.ddof is None else spec.ddof,
+        batch_std=inherited_batch_std if spec.batch_std is None else spec.batch_std,
+    )
+    try:
+        validate_params(estimator)
+    except ValueError as exc:
+        raise InvalidArgument(
+            "INVALID_ESTIMATOR",
+            str(exc),
+            field_violations=[("group_options.estimator", str(exc))],
+        ) from exc
+    deadline_s = spec.deadline_s or defaults.deadline_s
+    check_range("group_options.deadline", deadline_s, 0.001, MAX_DEADLINE_S)
+    check_range("group_options.min_members", spec.min_members, 0, size)
+    min_members = spec.min_members or min(defaults.min_members, size)
+    return GroupSettings(estimator, deadline_s, max(1, min_members))

@@ -1,0 +1,61 @@
+"""What callers ask the router to do, and what it answers: plain values, no logic."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from sessionrouter.server.core.groups import GroupRecord, SessionRecord
+from sessionrouter.server.core.placement import PlacementMode
+
+
+@dataclass(frozen=True, slots=True)
+class OptionsSpec:
+    """Group options as a caller gave them: unset fields take the server defaults."""
+
+    estimator: str = ""
+    eps: float | None = None
+    ddof: int | None = None
+    batch_std: bool | None = None
+    deadline_s: float = 0.0
+    min_members: int = 0
+
+    def is_empty(self) -> bool:
+        return self == OptionsSpec()
+
+
+@dataclass(frozen=True, slots=True)
+class StartSessionCommand:
+    task_id: str
+    group_id: str | None = None
+    group_size: int = 0
+    request_id: str = ""
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    options: OptionsSpec = field(default_factory=OptionsSpec)
+    placement_mode: PlacementMode | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StartGroupCommand:
+    task_id: str
+    group_size: int
+    group_id: str | None = None
+    request_id: str = ""
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    options: OptionsSpec = field(default_factory=OptionsSpec)
+    placement_mode: PlacementMode | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StartedSession:
+    session: SessionRecord
+    group: GroupRecord
+    group_created: bool
+    replayed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StartedGroup:
+    group: GroupRecord
+    shared_worker: bool
+    replayed: bool

@@ -1,0 +1,152 @@
+"""Rebuilding a router's state from what a journal read back, before it serves.
+
+- Workers come back unhealthy (and keep their drain state) until they heartbeat or register
+  again; their open sessions hold their slots meanwhile.
+- Groups keep their members, rewards and request ids; deadlines, stored as wall time, are
+  converted to this process's monotonic clock, so they keep counting across the restart (a
+  deadline that passed while the router was down fires at the next expiry tick).
+- Finalized groups go back on the feed, so a subscriber resumes by cursor and new cursors
+  continue after the last one; the newest ``finished_group_retention`` of them also back into
+  the ledger (GetGroup, replays), as before the restart.
+- An open group with nothing left to wait for is handed back as ``settled``: the previous
+  process died between its last reward (or abort) and its finalization, and the router
+  finalizes it now, exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sessionrouter.server.core.estimators import EstimatorParams
+from sessionrouter.server.core.events import GroupRow, RecoveredState
+from sessionrouter.server.core.feed import GroupFeed, GroupResult
+from sessionrouter.server.core.groups import (
+    GroupLedger,
+    GroupRecord,
+    GroupSettings,
+    GroupState,
+    RequestRecord,
+    SessionState,
+)
+from sessionrouter.server.core.workers import WorkerRegistry
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreSummary:
+    """What a restore rebuilt, for the ``recovered`` log line."""
+
+    workers: int
+    groups_open: int
+    groups_finished: int
+    sessions: int
+    open_rewards: int
+    """Rewards held by groups still open (waiting for more members or rewards)."""
+    requests: int
+    feed_cursor: int
+    finalized_on_restore: int
+    """Groups the journal held open although nothing was left to wait for (the process died
+    between their last reward and their finalization): finalized now, exactly once."""
+
+
+@dataclass(slots=True)
+class Rebuilt:
+    """What ``rebuild`` leaves for the router to finish: open groups to schedule, settled
+    ones to finalize, and the counts for the summary."""
+
+    open_groups: list[GroupRecord] = field(default_factory=list)
+    settled: list[GroupRecord] = field(default_factory=list)
+    groups_finished: int = 0
+    sessions: int = 0
+    open_rewards: int = 0
+    requests: int = 0
+
+
+def rebuild(
+    state: RecoveredState,
+    workers: WorkerRegistry,
+    groups: GroupLedger,
+    feed: GroupFeed,
+    now: float,
+    wall: float,
+) -> Rebuilt:
+    """Fills empty workers, groups and feed from ``state``; ``now`` is this process's
+    monotonic time and ``wall`` the Unix time, in seconds."""
+    if len(groups) or len(workers) or feed.last_cursor:
+        raise RuntimeError("restore needs an empty router")
+    for w in state.workers:
+        workers.restore(w.worker_id, w.address, w.capacity, w.labels, w.draining, now, w.seen_wall)
+    finished = sorted(
+        (row for row in state.groups if row.result is not None),
+        key=lambda row: row.result.cursor if row.result is not None else 0,
+    )
+    retention = groups.finished_retention
+    retained = finished[len(finished) - retention :] if retention < len(finished) else finished
+    in_ledger = {id(row) for row in retained}
+    # An id can be reused once its old group left the ledger: the newest group wins.
+    newest: dict[str, GroupRow] = {}
+    for row in state.groups:
+        if row.result is None or id(row) in in_ledger:
+            newest[row.created.group_id] = row
+    rebuilt = Rebuilt(groups_finished=len(finished))
+    by_seq: dict[int, GroupRecord] = {}
+    for row in state.groups:
+        if newest.get(row.created.group_id) is not row:
+            continue
+        group = _restored_group(row, workers, now, wall)
+        by_seq[group.seq] = group
+        groups.add_group(group)
+        rebuilt.sessions += len(group.members)
+        rebuilt.open_rewards += group.rewarded
+        if group.state is GroupState.OPEN:
+            rebuilt.open_groups.append(group)
+    for row in retained:
+        restored = by_seq.get(row.created.seq)
+        if restored is not None:
+            groups.mark_finished(restored)
+    for saved in state.requests:
+        owner = by_seq.get(saved.group_seq)
+        if owner is not None:
+            groups.add_request(
+                saved.request_id, RequestRecord(owner.group_id, saved.idx, saved.fingerprint)
+            )
+            rebuilt.requests += 1
+    results: list[GroupResult] = [row.result for row in finished if row.result is not None]
+    feed.restore(results, state.last_cursor)
+    groups.skip_seqs_below(state.next_seq)
+    rebuilt.settled = [g for g in by_seq.values() if g.state is GroupState.OPEN and g.settled]
+    return rebuilt
+
+
+def _restored_group(row: GroupRow, workers: WorkerRegistry, now: float, wall: float) -> GroupRecord:
+    c = row.created
+    group = GroupRecord(
+        group_id=c.group_id,
+        task_id=c.task_id,
+        size=c.size,
+        settings=GroupSettings(
+            EstimatorParams(c.estimator, c.eps, c.ddof, c.batch_std),
+            c.deadline_s,
+            c.min_members,
+        ),
+        create_time=c.create_time,
+        deadline=now + (c.deadline_wall - wall),
+        deadline_wall=c.deadline_wall,
+        seq=c.seq,
+        state=GroupState(row.state),
+        cursor=row.result.cursor if row.result is not None else 0,
+    )
+    group.members = row.members
+    if group.state is not GroupState.OPEN:
+        return group  # final: only lookups will read it
+    per_worker = group.members_per_worker
+    for session in group.members:
+        per_worker[session.worker_id] = per_worker.get(session.worker_id, 0) + 1
+        if session.state is SessionState.REWARDED:
+            group.rewarded += 1
+        elif session.state is SessionState.ABORTED:
+            group.aborted += 1
+        else:
+            worker = workers.find(session.worker_id)
+            if worker is not None:
+                workers.add_session(worker, session.key)
+    return group

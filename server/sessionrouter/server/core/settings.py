@@ -1,0 +1,60 @@
+"""The router core's server-wide settings, and the running totals it keeps for metrics."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from sessionrouter.server.core.estimators import EstimatorParams
+from sessionrouter.server.core.feed import GroupOutcome
+from sessionrouter.server.core.placement import PlacementMode
+from sessionrouter.server.core.rewards import RewardStatus
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    """Server-wide defaults and limits of the core."""
+
+    heartbeat_timeout_s: float = 10.0
+    estimator: EstimatorParams = field(default_factory=EstimatorParams)
+    deadline_s: float = 600.0
+    """Default time from group creation to its deadline."""
+    min_members: int = 2
+    """Default least number of rewarded members of a partial group (capped at its size)."""
+    placement_mode: PlacementMode = PlacementMode.SPREAD
+    reducer_window_s: float = 0.002
+    reducer_max_batch: int = 4096
+    feed_retention: int = 100_000
+    finished_group_retention: int = 100_000
+    retry_after_s: float = 1.0
+    """Delay suggested to callers refused with Unavailable."""
+
+
+@dataclass(slots=True)
+class RouterStats:
+    """Running totals for metrics; plain integers, updated in place."""
+
+    sessions_distinct: int = 0
+    sessions_shared: int = 0
+    rewards: Counter[RewardStatus] = field(default_factory=Counter)
+    groups_finished: Counter[GroupOutcome] = field(default_factory=Counter)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSnapshot:
+    """The figures metrics export, copied from the router at one moment (see
+    ``SessionRouter.snapshot``): plain values, safe to read from another thread."""
+
+    workers_healthy: int
+    workers_unhealthy: int
+    workers_draining: int
+    workers_eligible: int
+    open_sessions: int
+    """Sessions holding a worker slot."""
+    open_groups: int
+    sessions_distinct: int
+    sessions_shared: int
+    rewards: dict[RewardStatus, int]
+    groups_finished: dict[GroupOutcome, int]
+    reducer_batches: int
+    feed_cursor: int

@@ -1,0 +1,198 @@
+"""The fold: a run of events turned into the row changes that apply them, without SQLite.
+
+Events are folded per row, so a session started and rewarded in the same fold is one insert,
+not an insert and an update; the fold keeps the last value of each column, which is the order
+the events had. A reward of a group finalized in the same fold is not written to its session
+row at all: the group's result holds it.
+
+With ``carry`` (a fold by the writer under load), rewards of groups still open are not
+written to their rows yet either: they are carried over (logged again, and folded next
+time), because their group is usually finalized a moment later (the finalizer trails the
+rewards by up to a fold's worth of events under load) and the next fold then drops them. The
+first ``carried_before`` rewards were carried once already: those go to their rows.
+
+Rows are lists in the column order of ``schema``; every position used here is derived from
+the schema's column names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sessionrouter.server.core.events import (
+    GroupCreated,
+    GroupFinalized,
+    RequestSaved,
+    RewardSaved,
+    SessionAborted,
+    SessionLost,
+    SessionStarted,
+    WorkerRemoved,
+    WorkerSaved,
+)
+from sessionrouter.server.journal.codecs import NO_RESULT, dump_map, encode_json
+from sessionrouter.server.journal.logrows import Batch, Finalized, LoggedEvent
+from sessionrouter.server.journal.schema import (
+    GROUP_CREATED_COLUMNS,
+    GROUP_RESULT_START,
+    SESSION_REWARD,
+    SESSION_STATE,
+    SESSION_WORKER_LOST,
+)
+
+if GroupCreated._fields != GROUP_CREATED_COLUMNS:  # pragma: no cover
+    raise AssertionError("GroupCreated's fields must be the leading columns of groups")
+
+MEMBER_KEY = 1 << 16
+"""seq * MEMBER_KEY + index identifies a member (indices are below MAX_GROUP_SIZE)."""
+
+Rewards = tuple[Sequence[int], Sequence[int], Sequence[float]]
+"""Rewards as columns: group seqs, member indices, values."""
+
+
+@dataclass(slots=True)
+class RowChanges:
+    """What one fold writes, table by table, in one transaction."""
+
+    new_groups: dict[int, list[Any]] = field(default_factory=dict)
+    """Rows of ``groups`` to insert, by seq."""
+    finals: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    """``GROUP_RESULT_COLUMNS`` to set on groups inserted by an earlier fold, by seq."""
+    new_sessions: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
+    """Rows of ``sessions`` to insert, by (group_seq, idx)."""
+    rewards: list[tuple[int, int, float]] = field(default_factory=list)
+    """(group_seq, idx, reward) to set on sessions inserted by an earlier fold."""
+    aborts: list[tuple[int, int]] = field(default_factory=list)
+    lost: list[tuple[int, int]] = field(default_factory=list)
+    requests: list[tuple[str, int, int | None, str]] = field(default_factory=list)
+    """Rows of ``requests`` to insert or replace."""
+    workers: dict[str, WorkerSaved | None] = field(default_factory=dict)
+    """The last state of each worker changed; None deletes it."""
+    last_cursor: int = 0
+    next_seq: int = 1
+    events: int = 0
+    """Events this fold applies for the first time (carried rewards count once)."""
+    carried: Batch = field(default_factory=Batch)
+    """Rewards carried over to the next fold."""
+
+
+def fold(
+    events: Sequence[LoggedEvent],
+    rewards: Rewards,
+    *,
+    last_cursor: int,
+    next_seq: int,
+    carried_before: int = 0,
+    carry: bool = False,
+) -> RowChanges:
+    """Folds events, and rewards given as columns, into row changes (see the module
+    docstring). ``last_cursor`` and ``next_seq`` are the journal's before the fold."""
+    changes = RowChanges(last_cursor=last_cursor, next_seq=next_seq)
+    new_groups, new_sessions = changes.new_groups, changes.new_sessions
+    seqs, idxs, values = list(rewards[0]), list(rewards[1]), list(rewards[2])
+    for ev in events:
+        if isinstance(ev, RewardSaved):
+            seqs.append(ev.group_seq)
+            idxs.append(ev.idx)
+            values.append(ev.reward)
+        elif isinstance(ev, SessionStarted):
+            new_sessions[(ev.group_seq, ev.idx)] = [
+                ev.group_seq,
+                ev.idx,
+                ev.worker_id,
+                ev.worker_address,
+                ev.request_id,
+                dump_map(ev.metadata),
+                ev.create_time,
+                int(ev.shared_worker),
+                "open",
+                0,
+                None,
+            ]
+        elif isinstance(ev, GroupCreated):
+            new_groups[ev.seq] = [*ev, "open", 0, *NO_RESULT]
+            changes.next_seq = max(changes.next_seq, ev.seq + 1)
+        elif isinstance(ev, GroupFinalized | Finalized):
+            final = Finalized.of(ev) if isinstance(ev, GroupFinalized) else ev
+            row = new_groups.get(final.group_seq)
+            if row is None:
+                changes.finals[final.group_seq] = final.columns
+            else:
+                row[GROUP_RESULT_START:] = final.columns
+            changes.last_cursor = max(changes.last_cursor, final.columns[1])
+        elif isinstance(ev, RequestSaved):
+            changes.requests.append(
+                (ev.request_id, ev.group_seq, ev.idx, encode_json(list(ev.fingerprint)))
+            )
+        elif isinstance(ev, SessionAborted):
+            key = (ev.group_seq, ev.idx)
+            session = new_sessions.get(key)
+            if session is None:
+                changes.aborts.append(key)
+            else:
+                session[SESSION_STATE] = "aborted"
+        elif isinstance(ev, SessionLost):
+            key = (ev.group_seq, ev.idx)
+            session = new_sessions.get(key)
+            if session is None:
+                changes.lost.append(key)
+            else:
+                session[SESSION_WORKER_LOST] = 1
+        elif isinstance(ev, WorkerSaved):
+            changes.workers[ev.worker_id] = ev
+        elif isinstance(ev, WorkerRemoved):
+            changes.workers[ev.worker_id] = None
+        else:
+            raise TypeError(f"not a journal event: {ev!r}")
+    changes.rewards, changes.carried = _fold_rewards(
+        seqs, idxs, values, new_sessions, changes.finals, carried_before if carry else None
+    )
+    changes.events = len(events) + len(seqs) - carried_before
+    return changes
+
+
+def _fold_rewards(
+    seqs: list[int],
+    idxs: list[int],
+    values: list[float],
+    new_sessions: dict[tuple[int, int], list[Any]],
+    finals: dict[int, tuple[Any, ...]],
+    carry_from: int | None,
+) -> tuple[list[tuple[int, int, float]], Batch]:
+    """The session updates a fold needs for these rewards, and the rewards it carries over,
+    in O(1) Python per reward that remains: those of groups finalized in the same fold are
+    dropped (the result holds them), those of sessions inserted in the same fold are
+    written into the new rows."""
+    carried = Batch()
+    if not seqs:
+        return [], carried
+    seq = np.array(seqs, dtype=np.int64)
+    idx = np.array(idxs, dtype=np.int64)
+    keep = np.ones(len(seq), dtype=bool)
+    if finals:
+        keep &= ~np.isin(seq, np.fromiter(finals, dtype=np.int64, count=len(finals)))
+    if new_sessions:
+        keys = seq * MEMBER_KEY + idx
+        new_keys = np.fromiter(
+            (s * MEMBER_KEY + i for s, i in new_sessions), dtype=np.int64, count=len(new_sessions)
+        )
+        inserted = keep & np.isin(keys, new_keys)
+        for j in np.flatnonzero(inserted).tolist():
+            row = new_sessions[(seqs[j], idxs[j])]
+            row[SESSION_STATE], row[SESSION_REWARD] = "rewarded", values[j]
+        keep &= ~inserted
+    value = np.array(values, dtype=np.float64)  # exact: these are Python floats
+    if carry_from is not None:
+        fresh = np.arange(len(seq)) >= carry_from
+        carry = keep & fresh
+        carried.seqs = seq[carry].tolist()
+        carried.idxs = idx[carry].tolist()
+        carried.values = value[carry].tolist()
+        carried.carried = len(carried.seqs)
+        keep &= ~fresh
+    updates = zip(seq[keep].tolist(), idx[keep].tolist(), value[keep].tolist(), strict=True)
+    return list(updates), carried

@@ -1,0 +1,470 @@
+"""The journal's tables in SQLite: open and check the file, load the state back, apply a
+fold's row changes, append and read ``log`` rows, compact.
+
+Everything here is synchronous and runs on one thread at a time: the writer thread while the
+router serves, the caller's before (start-up) and in tools. ``JournalTables`` is also the
+seam for fault injection: a test passes a subclass whose writes fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import fcntl
+import json
+import logging
+import os
+import pickle
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+from sessionrouter.server.core.events import (
+    GroupCreated,
+    GroupRow,
+    RecoveredState,
+    RequestSaved,
+    WorkerSaved,
+)
+from sessionrouter.server.core.groups import SessionRecord, SessionState
+from sessionrouter.server.journal.bulk import bulk_statements, marks
+from sessionrouter.server.journal.codecs import dump_map, load_map, result_from_columns
+from sessionrouter.server.journal.fold import RowChanges
+from sessionrouter.server.journal.gc_pause import paused_gc
+from sessionrouter.server.journal.logrows import Batch, decode_batch
+from sessionrouter.server.journal.schema import (
+    APPLICATION_ID,
+    GROUP_CURSOR,
+    GROUP_RESULT_START,
+    GROUP_STATES,
+    GROUPS,
+    JOURNAL_FILE,
+    LOCK_FILE,
+    META_KEYS,
+    REQUESTS,
+    SCHEMA_VERSION,
+    SESSIONS,
+    WORKERS,
+    ddl,
+)
+
+log = logging.getLogger("sessionrouter.journal")
+
+WAL_SIZE_LIMIT = 16 * 1024 * 1024
+"""Bytes the WAL is cut back to after a checkpoint, so one huge batch (a first compaction,
+say) does not leave a huge WAL file behind for good."""
+_SESSION_STATES = {state.value: state for state in SessionState}
+_BATCH_STD = GROUPS.pos("batch_std")
+
+
+class SyncMode(enum.Enum):
+    """How hard a commit pushes to disk; see ``sessionrouter.server.journal`` for what
+    survives what."""
+
+    FULL = "full"
+    NORMAL = "normal"
+
+
+class JournalError(Exception):
+    """The journal cannot be used: the message names the file and what is wrong with it.
+
+    Raised at start-up for a file that is not SQLite, not ours, of another schema version,
+    unreadable, or locked by another router. The router refuses to start rather than reset
+    the file, because the file may hold rewards that cannot be produced again."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"journal {path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class JournalTables:
+    """The SQLite file of one state directory, locked for this process.
+
+    Construct to open (checks or creates the file, takes the lock); ``close()`` releases
+    both. ``last_cursor``, ``next_seq``, ``compacted_cursor`` and ``events`` mirror ``meta``.
+    """
+
+    def __init__(self, state_dir: Path | str, sync: SyncMode = SyncMode.FULL) -> None:
+        self.state_dir = Path(state_dir)
+        self.path = self.state_dir / JOURNAL_FILE
+        self.sync = sync
+        self._closed = False
+        self._lock_fd = -1
+        self._lock_fd = self._lock()
+        try:
+            self._con = self._open()
+        except BaseException:
+            self._unlock()
+            raise
+        self._bulk = bulk_statements(self._con)
+        meta = self._meta()
+        self.last_cursor = int(meta["last_cursor"])
+        self.next_seq = int(meta["next_seq"])
+        self.compacted_cursor = int(meta["compacted_cursor"])
+        self.events = int(meta["events"])
+
+    # -- opening -----------------------------------------------------------------------------
+
+    def _lock(self) -> int:
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise JournalError(self.path, f"cannot use state directory: {exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise JournalError(
+                self.path,
+                f"in use by another router (process {holder} holds {self.state_dir / LOCK_FILE})",
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def _unlock(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            self._lock_fd = -1
+
+    def _open(self) -> sqlite3.Connection:
+        try:
+            con = sqlite3.connect(
+                self.path, isolation_level=None, check_same_thread=False, cached_statements=256
+            )
+        except sqlite3.Error as exc:
+            raise JournalError(self.path, f"cannot be opened ({exc})") from None
+        try:
+            try:
+                app_id = con.execute("PRAGMA application_id").fetchone()[0]
+                tables = {
+                    r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")
+                }
+            except sqlite3.DatabaseError as exc:
+                raise JournalError(
+                    self.path,
+                    f"not a readable SQLite database ({exc}); it was not reset. Restore it from"
+                    " a backup, or move it away to start with an empty journal",
+                ) from None
+            if not tables and app_id == 0:
+                self._create(con)
+            elif app_id != APPLICATION_ID:
+                raise JournalError(
+                    self.path,
+                    f"a SQLite database but not a sessionrouter journal (application_id"
+                    f" {app_id:#x}, expected {APPLICATION_ID:#x})",
+                )
+            else:
+                self._check_version(con)
+            mode = con.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise JournalError(self.path, f"cannot switch to WAL mode (got {mode!r})")
+            con.execute(f"PRAGMA synchronous={self.sync.name}")
+            con.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
+        except BaseException:
+            con.close()
+            raise
+        return con
+
+    def _create(self, con: sqlite3.Connection) -> None:
+        con.execute("PRAGMA journal_mode=WAL")
+        con.execute("BEGIN IMMEDIATE")
+        for statement in ddl():
+            con.execute(statement)
+        con.executemany(
+            "INSERT INTO meta (key, value) VALUES (?, ?)",
+            [
+                ("schema_version", SCHEMA_VERSION),
+                ("created", time.time()),
+                ("last_cursor", 0),
+                ("next_seq", 1),
+                ("compacted_cursor", 0),
+                ("events", 0),
+            ],
+        )
+        con.execute(f"PRAGMA application_id={APPLICATION_ID}")
+        con.execute("COMMIT")
+        log.info("journal created", extra={"event": "journal_created", "path": str(self.path)})
+
+    def _check_version(self, con: sqlite3.Connection) -> None:
+        try:
+            row = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise JournalError(self.path, f"has no readable schema version ({exc})") from None
+        if row is None or not isinstance(row[0], int):
+            raise JournalError(self.path, f"has no valid schema version (found {row!r})")
+        version = row[0]
+        if version > SCHEMA_VERSION:
+            raise JournalError(
+                self.path,
+                f"written by a newer sessionrouter (schema version {version}; this one reads"
+                f" version {SCHEMA_VERSION}): upgrade the router, it was not reset",
+            )
+        if version != SCHEMA_VERSION:
+            raise JournalError(
+                self.path,
+                f"schema version {version} is not supported (this router reads version"
+                f" {SCHEMA_VERSION}) and was not converted",
+            )
+
+    def _meta(self) -> dict[str, Any]:
+        try:
+            meta = dict(self._con.execute("SELECT key, value FROM meta").fetchall())
+        except sqlite3.DatabaseError as exc:
+            self.close()
+            raise JournalError(self.path, f"meta table cannot be read ({exc})") from None
+        missing = [k for k in META_KEYS if not isinstance(meta.get(k), int | float)]
+        if missing:
+            self.close()
+            raise JournalError(self.path, f"meta table lacks {missing}")
+        return meta
+
+    def close(self) -> None:
+        """Closes the file and releases the lock. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(sqlite3.Error):
+            self._con.close()
+        self._unlock()
+
+    # -- reading back ------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """``PRAGMA quick_check``: page-level corruption anywhere in the file, including
+        indexes that a load would not read. O(file size); JournalError naming the damage."""
+        try:
+            problems = [r[0] for r in self._con.execute("PRAGMA quick_check(5)")]
+        except sqlite3.DatabaseError as exc:
+            raise JournalError(self.path, f"is corrupt ({exc})") from None
+        if problems != ["ok"]:
+            raise JournalError(self.path, f"is corrupt: {'; '.join(problems)}")
+
+    def read_log(self) -> tuple[Batch, int]:
+        """What the ``log`` holds (left by a crash), and the id of its last row (0: empty)."""
+        try:
+            rows = self._con.execute("SELECT id, events FROM log ORDER BY id").fetchall()
+            logged = Batch()
+            for _, data in rows:
+                logged.extend(decode_batch(data))
+        except (
+            sqlite3.DatabaseError,
+            pickle.UnpicklingError,
+            ValueError,
+            TypeError,
+            KeyError,
+        ) as exc:
+            raise JournalError(self.path, f"its log cannot be read back ({exc})") from None
+        return logged, (rows[-1][0] if rows else 0)
+
+    def load(self) -> RecoveredState:
+        """Reads the tables back, validated (call with an empty log). JournalError when a
+        row cannot be understood."""
+        try:
+            with paused_gc():
+                return self._load()
+        except JournalError:
+            raise
+        except (sqlite3.DatabaseError, ValueError, TypeError, KeyError, IndexError) as exc:
+            raise JournalError(self.path, f"cannot be read back ({exc})") from None
+
+    def _load(self) -> RecoveredState:
+        con = self._con
+        workers = [
+            WorkerSaved(w, a, int(c), load_map(labels), bool(d), float(seen))
+            for w, a, c, labels, d, seen in con.execute(
+                f"SELECT {WORKERS.select()} FROM workers ORDER BY worker_id"
+            )
+        ]
+        groups: dict[int, GroupRow] = {}
+        results: dict[int, tuple[GroupRow, tuple[Any, ...]]] = {}
+        state_at = GROUP_RESULT_START
+        after_cursor = GROUP_CURSOR + 1
+        for row in con.execute(f"SELECT {GROUPS.select()} FROM groups ORDER BY seq"):
+            state, cursor = row[state_at], row[GROUP_CURSOR]
+            if state not in GROUP_STATES or (state == "open") != (cursor == 0):
+                raise ValueError(f"group seq {row[0]}: state {state!r} with cursor {cursor}")
+            fields = list(row[:state_at])
+            fields[_BATCH_STD] = bool(fields[_BATCH_STD])
+            created = GroupCreated._make(fields)
+            group = GroupRow(created, [], state, None)
+            groups[created.seq] = group
+            if cursor:
+                results[cursor] = (group, row[after_cursor:])
+        current: GroupRow | None = None
+        current_seq = 0
+        members: list[SessionRecord] = []
+        gid = task = ""
+        for seq, idx, wid, waddr, rid, meta, created_at, shared, state, lost, reward in con.execute(
+            f"SELECT {SESSIONS.select()} FROM sessions ORDER BY group_seq, idx"
+        ):
+            if seq != current_seq:
+                current, current_seq = groups.get(seq), seq
+                if current is None:
+                    raise ValueError(f"sessions of group seq {seq}, which does not exist")
+                members, gid, task = (
+                    current.members,
+                    current.created.group_id,
+                    current.created.task_id,
+                )
+            if idx != len(members):
+                raise ValueError(f"group seq {seq}: member {idx} out of order")
+            members.append(
+                SessionRecord(
+                    gid,
+                    idx,
+                    task,
+                    wid,
+                    waddr,
+                    rid,
+                    {} if meta == "{}" else load_map(meta),
+                    created_at,
+                    bool(shared),
+                    _SESSION_STATES[state],
+                    bool(lost),
+                    reward,
+                )
+            )
+        expected = list(range(self.compacted_cursor + 1, self.last_cursor + 1))
+        if sorted(results) != expected:
+            raise JournalError(
+                self.path,
+                f"finalized groups have cursors {_span(sorted(results))}, expected a run from"
+                f" {self.compacted_cursor + 1} to {self.last_cursor}",
+            )
+        rewarded = SessionState.REWARDED
+        for cursor in expected:
+            group, columns = results[cursor]
+            group.result, counted = result_from_columns(cursor, group.created, columns)
+            members = group.members
+            for i, reward in zip(counted, group.result.rewards.tolist(), strict=True):
+                member = members[i]  # the result is authoritative for a finalized group
+                member.state, member.reward = rewarded, reward
+        requests = [
+            RequestSaved(rid, seq, idx, tuple(json.loads(fingerprint)))
+            for rid, seq, idx, fingerprint in con.execute(
+                f"SELECT {REQUESTS.select()} FROM requests"
+            )
+        ]
+        return RecoveredState(
+            workers=workers,
+            groups=list(groups.values()),
+            requests=requests,
+            last_cursor=self.last_cursor,
+            next_seq=self.next_seq,
+            events=self.events,
+        )
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def append_log(self, data: bytes) -> int:
+        """Makes one encoded batch durable with one autocommit INSERT; returns its row id."""
+        cursor = self._con.execute("INSERT INTO log (events) VALUES (?)", (data,))
+        return cursor.lastrowid or 0
+
+    def apply(self, changes: RowChanges, fold_log_upto: int = 0) -> int:
+        """Applies a fold's row changes in one transaction (all or nothing), deleting the
+        ``log`` rows up to ``fold_log_upto`` and logging the carried rewards again in the
+        same transaction; returns the id of that new log row (0: nothing carried)."""
+        con = self._con
+        bulk = self._bulk
+        carried_id = 0
+        events = self.events + changes.events
+        con.execute("BEGIN IMMEDIATE")
+        try:
+            bulk["groups"].run(con, list(changes.new_groups.values()))
+            bulk["sessions"].run(con, list(changes.new_sessions.values()))
+            bulk["rewards"].run(con, changes.rewards)
+            bulk["aborts"].run(con, changes.aborts)
+            bulk["lost"].run(con, changes.lost)
+            bulk["finals"].run(con, [(*columns, seq) for seq, columns in changes.finals.items()])
+            bulk["requests"].run(con, changes.requests)
+            for worker_id, saved in changes.workers.items():  # rare: one statement each
+                if saved is None:
+                    con.execute("DELETE FROM workers WHERE worker_id=?", (worker_id,))
+                else:
+                    con.execute(
+                        f"INSERT OR REPLACE INTO workers VALUES ({marks(WORKERS.width)})",
+                        (
+                            saved.worker_id,
+                            saved.address,
+                            saved.capacity,
+                            dump_map(saved.labels),
+                            int(saved.draining),
+                            saved.seen_wall,
+                        ),
+                    )
+            con.execute(
+                "UPDATE meta SET value = CASE key WHEN 'events' THEN ? WHEN 'last_cursor' THEN ?"
+                " ELSE ? END WHERE key IN ('events', 'last_cursor', 'next_seq')",
+                (events, changes.last_cursor, changes.next_seq),
+            )
+            if fold_log_upto:
+                con.execute("DELETE FROM log WHERE id <= ?", (fold_log_upto,))
+            if changes.carried:
+                carried_id = self.append_log(changes.carried.encode())
+            con.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                con.execute("ROLLBACK")
+            raise
+        self.events = events
+        self.last_cursor = changes.last_cursor
+        self.next_seq = changes.next_seq
+        return carried_id
+
+    def compact(self, upto_cursor: int) -> int:
+        """Deletes the groups finalized at or before ``upto_cursor``, with their sessions and
+        request ids; returns how many groups went."""
+        if upto_cursor <= self.compacted_cursor:
+            return 0
+        started = time.perf_counter()
+        con = self._con
+        chosen = "SELECT seq FROM groups WHERE cursor > 0 AND cursor <= ?"
+        con.execute("BEGIN IMMEDIATE")
+        try:
+            con.execute(f"DELETE FROM sessions WHERE group_seq IN ({chosen})", (upto_cursor,))
+            con.execute(f"DELETE FROM requests WHERE group_seq IN ({chosen})", (upto_cursor,))
+            deleted = con.execute(
+                "DELETE FROM groups WHERE cursor > 0 AND cursor <= ?", (upto_cursor,)
+            ).rowcount
+            con.execute("UPDATE meta SET value=? WHERE key='compacted_cursor'", (upto_cursor,))
+            con.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                con.execute("ROLLBACK")
+            raise
+        self.compacted_cursor = upto_cursor
+        log.debug(
+            "journal compacted",
+            extra={
+                "event": "journal_compacted",
+                "upto_cursor": upto_cursor,
+                "groups": deleted,
+                "ms": round((time.perf_counter() - started) * 1000, 3),
+            },
+        )
+        return int(deleted)
+
+    def checkpoint(self) -> None:
+        """Copies the WAL into the database file and empties it (SQLite does this on its own
+        every 1000 pages, and at close); for tools and tests that measure the file."""
+        self._con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def size_bytes(self) -> int:
+        """Bytes on disk: the database file plus its WAL."""
+        total = 0
+        for suffix in ("", "-wal"):
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(f"{self.path}{suffix}").st_size
+        return total
+
+
+def _span(cursors: list[int]) -> str:
+    if not cursors:
+        return "none"
+    return f"{cursors[0]}..{cursors[-1]} ({len(cursors)} of them)"

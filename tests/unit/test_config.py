@@ -1,0 +1,117 @@
+"""Settings declared once: the merge order, strict files, the environment, the README table,
+and what the command prints for bad configuration."""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+
+import pytest
+
+from sessionrouter.server import cli
+from sessionrouter.server.config import (
+    SETTINGS,
+    ConfigError,
+    WorkerSpec,
+    build_config,
+    env_values,
+    file_values,
+    load_file,
+    settings_table,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_flag_wins_over_the_environment_which_wins_over_the_file() -> None:
+    file = file_values({"listen": "0.0.0.0:1", "grace_s": 3, "groups": {"deadline_s": 60}})
+    env = env_values({"SESSIONROUTER_LISTEN": "0.0.0.0:2", "SESSIONROUTER_GRACE_S": "4"})
+    config = build_config({"listen": "0.0.0.0:3"}, file, env)
+    assert config.listen == "0.0.0.0:3"
+    assert config.grace_s == 4.0
+    assert config.router.deadline_s == 60.0
+    assert config.keepalive_time_s == 30.0  # the default
+
+
+def test_every_setting_has_its_own_environment_variable() -> None:
+    names = [s.env for s in SETTINGS]
+    assert len(set(names)) == len(names)
+    assert all(re.fullmatch(r"SESSIONROUTER_[A-Z_]+", n) for n in names)
+    env = env_values({"SESSIONROUTER_IN_MEMORY": "true", "SESSIONROUTER_WORKERS": "a=h:1 b=h:2,3"})
+    config = build_config({}, {}, env)
+    assert config.journal is None
+    assert config.workers == (WorkerSpec("a", "h:1", 1), WorkerSpec("b", "h:2", 3))
+
+
+@pytest.mark.parametrize(
+    ("toml", "key"),
+    [
+        ('[[workers]]\nworker_id = "w"\naddress = "h:1"\ncapcity = 4\n', "workers[0].capcity"),
+        ("[groups]\ndeadline = 5\n", "groups.deadline"),
+        ("[journal]\nfsync = true\n", "journal.fsync"),
+        ("lisen = 'x'\n", "lisen"),
+    ],
+)
+def test_an_unknown_key_anywhere_in_the_file_is_an_error_naming_key_and_file(
+    tmp_path: Path, toml: str, key: str
+) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as info:
+        load_file(str(path))
+    assert str(path) in str(info.value) and f"unknown key {key}" in str(info.value)
+
+
+def test_bad_values_name_where_they_came_from() -> None:
+    with pytest.raises(ConfigError, match="SESSIONROUTER_GRACE_S must be a float"):
+        env_values({"SESSIONROUTER_GRACE_S": "soon"})
+    with pytest.raises(ConfigError, match=r"reducer\.max_batch must be a int"):
+        file_values({"reducer": {"max_batch": "many"}})
+    with pytest.raises(ConfigError, match="placement must be 'spread' or 'strict'"):
+        file_values({"placement": "pack"})
+
+
+def test_the_readme_settings_table_is_the_generated_one() -> None:
+    readme = (ROOT / "README.md").read_text()
+    begin, end = "<!-- settings-table:begin -->\n", "<!-- settings-table:end -->"
+    assert begin in readme and end in readme, "README lacks the settings table markers"
+    current = readme.split(begin, 1)[1].split(end, 1)[0]
+    assert current == settings_table(), (
+        "README settings table is stale: paste the output of"
+        " `python -c 'from sessionrouter.server.config import settings_table as t; print(t())'`"
+    )
+
+
+def test_bad_config_prints_one_line_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text('[[workers]]\nworker_id = "w"\naddress = "h:1"\ncapcity = 4\n')
+    assert cli.main(["serve", "--config", str(path), "--in-memory"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"sessionrouter: error: config file {str(path)!r}: unknown key workers[0].capcity"
+    ]
+
+
+def test_a_metrics_port_in_use_is_one_line_not_a_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = cli.main(
+            ["serve", "--listen", "127.0.0.1:0", "--in-memory", "--metrics-port", str(port)]
+        )
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"sessionrouter: error: metrics port {port}:")
+
+
+def test_version_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert re.fullmatch(r"sessionrouter \d+\.\d+\.\d+\S*\n", capsys.readouterr().out)
