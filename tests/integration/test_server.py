@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from sessionrouter.server.app import WorkerSpec
 from sessionrouter.server.core.router import RouterSettings
+from sessionrouter.server.credentials import TokenTable
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
 from sessionrouter.v1 import worker_service_pb2 as wpb
@@ -55,7 +56,9 @@ async def test_reflection_lists_the_services_like_grpcurl_would(harness: Harness
 
 
 async def test_token_auth_refuses_calls_without_the_token_but_not_health() -> None:
-    h = await start_harness(auth_token="s3cret", workers=(WorkerSpec("w", "10.0.0.1:1", 4),))
+    h = await start_harness(
+        tokens=TokenTable.parse("s3cret"), workers=(WorkerSpec("w", "10.0.0.1:1", 4),)
+    )
     try:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await h.sessions.StartSession(spb.StartSessionRequest(task_id="t"))

@@ -122,6 +122,9 @@ class SessionRouterClient:
         retry_policy: RetryPolicy | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        root_certificates: bytes | None = None,
+        client_certificate_chain: bytes | None = None,
+        client_private_key: bytes | None = None,
     ) -> SessionRouterClient:
         """Opens a channel to ``target`` (``host:port``); TLS when ``credentials`` are given.
 
@@ -129,7 +132,20 @@ class SessionRouterClient:
         arguments, for example ``[("grpc.keepalive_time_ms", 30_000)]``. Unless they say
         otherwise, the channel's own reconnect backoff is capped at 5 s (gRPC's default grows
         to 120 s), so a channel notices a restarted router about as soon as the retries do.
+
+        Instead of ``credentials``, TLS can be given as PEM bytes: ``root_certificates`` (the
+        CA that signed the router's certificate; the system roots when omitted) and, for a
+        router that requires client certificates (mTLS), ``client_certificate_chain`` with
+        ``client_private_key``. ``token`` picks the role the router grants (worker, rollout,
+        trainer or admin); a certificate only opens the connection.
         """
+        pem = (root_certificates, client_certificate_chain, client_private_key)
+        if any(p is not None for p in pem):
+            if credentials is not None:
+                raise ValueError("give credentials or PEM certificates, not both")
+            if (client_certificate_chain is None) != (client_private_key is None):
+                raise ValueError("a client certificate needs its private key, and the reverse")
+            credentials = grpc.ssl_channel_credentials(*pem)
         given = {name for name, _ in options}
         channel_options = list(options) + [
             (name, value) for name, value in _CHANNEL_DEFAULTS if name not in given

@@ -32,7 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from sessionrouter.server.auth import TokenAuthInterceptor
+from sessionrouter.server.auth import RoleAuthInterceptor
 from sessionrouter.server.config import JournalConfig, ServerConfig, WorkerSpec
 from sessionrouter.server.core.clock import Clock
 from sessionrouter.server.core.errors import Unavailable
@@ -114,7 +114,7 @@ class RouterServer:
             options.append(
                 ("grpc.max_connection_age_grace_ms", int(cfg.max_connection_age_grace_s * 1000))
             )
-        interceptors = [TokenAuthInterceptor(cfg.auth_token)] if cfg.auth_token else []
+        interceptors = [RoleAuthInterceptor(cfg.tokens)] if cfg.tokens is not None else []
         server = grpc.aio.server(options=options, interceptors=interceptors)
         self._sessions = SessionServicer(self.router, self._commit)
         spb_grpc.add_SessionServiceServicer_to_server(self._sessions, server)
@@ -126,7 +126,9 @@ class RouterServer:
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
         if cfg.tls_cert_file and cfg.tls_key_file:
-            creds = _server_credentials(cfg.tls_cert_file, cfg.tls_key_file)
+            creds = _server_credentials(
+                cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file
+            )
             self.port = server.add_secure_port(cfg.listen, creds)
         else:
             self.port = server.add_insecure_port(cfg.listen)
@@ -286,7 +288,17 @@ class RouterServer:
         await self._stopped.wait()
 
 
-def _server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
-    """TLS credentials from PEM files (read once, at start-up)."""
+def _server_credentials(
+    cert_file: str, key_file: str, client_ca_file: str | None = None
+) -> grpc.ServerCredentials:
+    """TLS credentials from PEM files (read once, at start-up). With ``client_ca_file`` the
+    handshake requires a client certificate signed by one of its CAs (mTLS): a client
+    without one never reaches an RPC."""
     key, cert = Path(key_file).read_bytes(), Path(cert_file).read_bytes()
-    return grpc.ssl_server_credentials([(key, cert)])
+    if client_ca_file is None:
+        return grpc.ssl_server_credentials([(key, cert)])
+    return grpc.ssl_server_credentials(
+        [(key, cert)],
+        root_certificates=Path(client_ca_file).read_bytes(),
+        require_client_auth=True,
+    )

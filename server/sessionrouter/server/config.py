@@ -49,6 +49,7 @@ from sessionrouter.server.core.estimators import EstimatorParams, validate_param
 from sessionrouter.server.core.placement import PlacementMode
 from sessionrouter.server.core.settings import RouterSettings
 from sessionrouter.server.core.validation import check_id
+from sessionrouter.server.credentials import CredentialError, TokenTable
 from sessionrouter.server.journal import SyncMode
 
 DEMO_WORKER_BASE_PORT = 30000
@@ -56,9 +57,9 @@ DEFAULT_STATE_DIR = "state"
 """Where the journal lives when nothing says otherwise, relative to the working directory."""
 ENV_PREFIX = "SESSIONROUTER_"
 TOKEN_ENV = "SESSIONROUTER_TOKEN"
-"""Holds the bearer token itself (not a file), for platforms that inject secrets as variables;
-a token file given as a flag wins over it, a token file from the environment or the file
-loses to it."""
+"""Holds the tokens themselves (a token file's text, not its path), for platforms that inject
+secrets as variables; a token file given as a flag wins over it, a token file from the
+environment or the file loses to it."""
 WORKER_KEYS = frozenset({"worker_id", "address", "capacity", "labels"})
 """Keys of one ``[[workers]]`` entry."""
 
@@ -112,9 +113,12 @@ class ServerConfig:
     keepalive_timeout_s: float = 10.0
     max_connection_age_s: float | None = None
     max_connection_age_grace_s: float | None = None
-    auth_token: str | None = None
+    tokens: TokenTable | None = None
+    """The bearer tokens and their roles; None serves every caller (no authentication)."""
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+    """With TLS: require a client certificate signed by a CA in this PEM file (mTLS)."""
     metrics_port: int | None = None
     journal: JournalConfig | None = None
     """None keeps every state in memory: a restart loses it (tests, benchmarks)."""
@@ -192,12 +196,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("feed_retention", "--feed-retention", int, _R.feed_retention, "finished groups"
             " kept for resuming subscribers", "feed_retention", "GROUPS"),
     Setting("auth_token_file", "--token-file", str, None, "require 'authorization: Bearer"
-            f" <token>', the token read from FILE (or given in ${TOKEN_ENV})",
+            " <token>': one ROLE:TOKEN[:WORKER-ID-GLOBS] per line, ROLE worker, rollout,"
+            " trainer or admin (a file of one bare token: an admin token); the file's text may"
+            f" be given in ${TOKEN_ENV} instead; an empty file refuses to start",
             "auth_token_file", "FILE"),
     Setting("tls_cert_file", "--tls-cert", str, None, "TLS certificate (PEM)", "tls_cert_file",
             "FILE"),
     Setting("tls_key_file", "--tls-key", str, None, "TLS private key (PEM)", "tls_key_file",
             "FILE"),
+    Setting("tls_client_ca_file", "--tls-client-ca", str, None, "require client certificates"
+            " signed by a CA of this PEM file (mTLS; needs --tls-cert and --tls-key)",
+            "tls_client_ca_file", "FILE"),
     Setting("metrics_port", "--metrics-port", int, None, "serve Prometheus metrics on PORT",
             "metrics_port", "PORT"),
     Setting("state_dir", "--state-dir", str, None, "journal state here, durably, and recover"
@@ -473,6 +482,9 @@ def build_config(
     tls_cert, tls_key = get("tls_cert_file"), get("tls_key_file")
     if bool(tls_cert) != bool(tls_key):
         raise ConfigError("TLS needs both tls_cert_file and tls_key_file")
+    client_ca = get("tls_client_ca_file")
+    if client_ca and not tls_cert:
+        raise ConfigError("tls_client_ca_file (mTLS) needs tls_cert_file and tls_key_file")
     config = ServerConfig(
         listen=get("listen"),
         router=settings,
@@ -481,9 +493,10 @@ def build_config(
         shutdown_delay_s=get("shutdown_delay_s"),
         keepalive_time_s=get("keepalive_time_s"),
         max_connection_age_s=get("max_connection_age_s"),
-        auth_token=_token(src, token_env),
+        tokens=_tokens(src, token_env),
         tls_cert_file=tls_cert,
         tls_key_file=tls_key,
+        tls_client_ca_file=client_ca or None,
         metrics_port=get("metrics_port"),
         journal=_journal(src),
     )
@@ -495,19 +508,25 @@ def build_config(
     return config
 
 
-def _token(src: Sources, token_env: str | None) -> str | None:
+def _tokens(src: Sources, token_env: str | None) -> TokenTable | None:
     """A token file given as a flag, then ``$SESSIONROUTER_TOKEN``, then a token file from
-    the environment or the config file."""
+    the environment or the config file (format: ``sessionrouter.server.credentials``). A
+    source that is given but holds no token is an error: it would start the router open."""
     path = src.flags.get("auth_token_file")
-    if path is None and token_env:
-        return token_env
+    if path is None and token_env is not None:
+        try:
+            return TokenTable.parse(token_env)
+        except CredentialError as exc:
+            raise ConfigError(f"${TOKEN_ENV}: {exc}") from None
     path = path or src.get("auth_token_file")
     if not path:
         return None
     try:
-        return Path(path).read_text().strip() or None
+        return TokenTable.parse(Path(path).read_text())
     except OSError as exc:
         raise ConfigError(f"auth_token_file {path!r}: {exc.strerror}") from None
+    except (CredentialError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"auth_token_file {path!r}: {exc}") from None
 
 
 def _journal(src: Sources) -> JournalConfig | None:
