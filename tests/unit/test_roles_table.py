@@ -137,7 +137,7 @@ def test_bad_token_files_are_refused_naming_the_line(text: str, problem: str) ->
 def test_an_empty_token_file_or_variable_is_a_config_error(tmp_path: Path) -> None:
     path = tmp_path / "tokens"
     path.write_text(" \n")
-    with pytest.raises(ConfigError, match="auth_token_file .*holds no token"):
+    with pytest.raises(ConfigError, match=r"auth_token_file .*holds no token"):
         build_config(flags={"auth_token_file": str(path), "in_memory": True})
     with pytest.raises(ConfigError, match=r"\$SESSIONROUTER_TOKEN: holds no token"):
         build_config(flags={"in_memory": True}, token_env="   ")

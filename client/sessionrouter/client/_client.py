@@ -145,7 +145,11 @@ class SessionRouterClient:
                 raise ValueError("give credentials or PEM certificates, not both")
             if (client_certificate_chain is None) != (client_private_key is None):
                 raise ValueError("a client certificate needs its private key, and the reverse")
-            credentials = grpc.ssl_channel_credentials(*pem)
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=root_certificates,
+                private_key=client_private_key,
+                certificate_chain=client_certificate_chain,
+            )
         given = {name for name, _ in options}
         channel_options = list(options) + [
             (name, value) for name, value in _CHANNEL_DEFAULTS if name not in given

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable
 from pathlib import Path
 from wsgiref.simple_server import WSGIServer
@@ -126,9 +127,7 @@ class RouterServer:
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
         if cfg.tls_cert_file and cfg.tls_key_file:
-            creds = _server_credentials(
-                cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file
-            )
+            creds = _server_credentials(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
             self.port = server.add_secure_port(cfg.listen, creds)
         else:
             self.port = server.add_insecure_port(cfg.listen)
@@ -155,6 +154,9 @@ class RouterServer:
                 "listen": cfg.listen,
                 "port": self.port,
                 "workers": len(cfg.workers),
+                "tls": bool(cfg.tls_cert_file),
+                "client_certificates": bool(cfg.tls_client_ca_file),
+                "tokens": _token_counts(cfg),
             },
         )
         return self.port
@@ -286,6 +288,13 @@ class RouterServer:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+
+def _token_counts(cfg: ServerConfig) -> dict[str, int] | None:
+    """Tokens per role, for the ``serving`` log line (never the tokens); None: no auth."""
+    if cfg.tokens is None:
+        return None
+    return dict(Counter(c.role.value for c in cfg.tokens.credentials))
 
 
 def _server_credentials(

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 from google.protobuf import any_pb2
@@ -71,9 +71,7 @@ class RoleAuthInterceptor(grpc.aio.ServerInterceptor):
             return _refusing(handler, _unauthenticated("UNKNOWN_TOKEN", "unknown bearer token"))
         if method not in ACCESS and method not in self._warned:
             self._warned.add(method)
-            log.warning(
-                "rpc without roles", extra={"event": "rpc_without_roles", "method": method}
-            )
+            log.warning("rpc without roles", extra={"event": "rpc_without_roles", "method": method})
         access = access_of(method)
         if credential.role not in access.roles:
             allowed = ",".join(sorted(r.value for r in access.roles))
@@ -143,9 +141,10 @@ def _worker_scoped(
     handler: grpc.RpcMethodHandler[Any, Any], credential: Credential, method: str
 ) -> grpc.RpcMethodHandler[Any, Any]:
     """``handler`` behind a check that the request's ``worker_id`` is bound to the token."""
-    behavior = handler.unary_unary
-    if behavior is None or handler.request_streaming or handler.response_streaming:
+    if handler.unary_unary is None or handler.request_streaming or handler.response_streaming:
         raise TypeError(f"{method}: a worker-scoped RPC must be unary")
+    # grpc.aio servicers are coroutines; the stubs type the handler's behavior as sync.
+    behavior = cast(Callable[[Any, Any], Awaitable[Any]], handler.unary_unary)
 
     async def scoped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         worker_id = str(request.worker_id)

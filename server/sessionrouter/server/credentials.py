@@ -121,7 +121,7 @@ def _has_role_prefix(line: str) -> bool:
 
 
 def _line_credential(number: int, line: str) -> Credential:
-    role_text, sep, rest = line.partition(":")
+    role_text, _, rest = line.partition(":")
     try:
         role = Role(role_text)
     except ValueError:
