@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import cast
 
 import grpc
 import pytest
 from google.protobuf.message import Message
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
 
 from sessionrouter.client import PermissionDeniedError, SessionRouterClient
 from sessionrouter.server.app import WorkerSpec
@@ -24,6 +28,7 @@ from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
 from sessionrouter.v1 import worker_service_pb2 as wpb
 from sessionrouter.v1 import worker_service_pb2_grpc as wpb_grpc
+from tests.interop._server import running_server
 from tests.support import Harness, details_of, start_harness, stop_harness
 
 TOKEN_FILE = """\
@@ -312,3 +317,40 @@ async def test_a_bearer_header_without_a_token_is_unauthenticated(router: Harnes
     assert reply is not None
     workers = wpb_grpc.WorkerServiceStub(router.channel)
     assert (await workers.ListWorkers(wpb.ListWorkersRequest(), metadata=ADMIN)).workers
+
+
+def _reason(error: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    """Code and ErrorInfo reason of a failed call of a sync channel (also a grpc.Call)."""
+    call = cast(grpc.Call, error)
+    status = rpc_status.from_call(call)
+    assert status is not None
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info)
+    return call.code(), info.reason
+
+
+def test_the_serve_command_reads_the_roles_of_a_token_file(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKEN_FILE)
+    with (
+        running_server("real", extra_args=["--token-file", str(tokens)]) as address,
+        grpc.insecure_channel(address) as channel,
+    ):
+        workers = wpb_grpc.WorkerServiceStub(channel)
+        as_worker = (("authorization", "Bearer worker-c2aa"),)
+        workers.RegisterWorker(
+            wpb.RegisterWorkerRequest(worker_id="w-own-1", address="10.0.0.1:1", capacity=1),
+            metadata=as_worker,
+            timeout=10,
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            workers.DrainWorker(
+                wpb.DrainWorkerRequest(worker_id="w-other"), metadata=as_worker, timeout=10
+            )
+        assert _reason(info.value) == (grpc.StatusCode.PERMISSION_DENIED, "WORKER_NOT_BOUND")
+        as_rollout = (("authorization", "Bearer rollout-b-9e44"),)
+        with pytest.raises(grpc.RpcError) as info:
+            workers.ListWorkers(wpb.ListWorkersRequest(), metadata=as_rollout, timeout=10)
+        assert _reason(info.value) == (grpc.StatusCode.PERMISSION_DENIED, "ROLE_NOT_ALLOWED")
+        listed = workers.ListWorkers(wpb.ListWorkersRequest(), metadata=ADMIN, timeout=10)
+        assert [w.worker_id for w in listed.workers] == ["w-own-1"]
