@@ -67,6 +67,7 @@ async function startGroup(sessions, groupId, taskId) {
       `sessions ${onWorker.get(s.workerId)} and ${s.name} share worker "${s.workerId}"`,
     );
     check(!reply.sharedWorker, `session ${s.name}: shared_worker set although 4 workers are free`);
+    check(!s.sharesWorker, `session ${s.name}: shares_worker set although 4 workers are free`);
     members[s.index] = s;
     onWorker.set(s.workerId, s.name);
     created += reply.groupCreated ? 1 : 0;

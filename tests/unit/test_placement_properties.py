@@ -1,10 +1,14 @@
 """Hypothesis drives random register/drain/expire/start/abort/reward sequences against the
 core and checks the placement and membership invariants after every step.
 
-Each placement is checked against the rule computed independently from the state just before
-the call: least-loaded among eligible workers the group does not use yet; shared only when no
-such worker exists, then on a worker holding the fewest members of the group; refused only
-when no worker at all is eligible (or strict mode would have to share).
+Each placement is checked against the rule of the group's policy, computed independently
+from the state just before the call, among the eligible workers that match the group's
+selector (workers carry a ``pool`` label, a or b). SPREAD and STRICT: least-loaded among those
+the group does not use yet; SPREAD shares only when no such worker exists, then on a worker
+holding the fewest members of the group; STRICT refuses instead. PACK: the worker of the
+latest member while below its cap, else a fresh least-loaded one, else any used worker below
+its cap; the cap is never exceeded and a refusal means every worker is at its cap. Refused
+with Unavailable only when no matching worker is eligible.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from sessionrouter.server.core.admission import resolve_placement
 from sessionrouter.server.core.clock import ManualClock
 from sessionrouter.server.core.errors import (
     FailedPrecondition,
@@ -23,18 +28,30 @@ from sessionrouter.server.core.errors import (
     Unavailable,
 )
 from sessionrouter.server.core.groups import GroupState, SessionState
-from sessionrouter.server.core.placement import PlacementMode
+from sessionrouter.server.core.placement import PlacementMode, pack_cap
 from sessionrouter.server.core.router import (
+    OptionsSpec,
     RouterSettings,
     SessionRouter,
     StartGroupCommand,
     StartSessionCommand,
 )
-from sessionrouter.server.core.workers import WorkerRecord
+from sessionrouter.server.core.workers import WorkerRecord, matches
+
+MODES = st.sampled_from([PlacementMode.SPREAD, PlacementMode.STRICT, PlacementMode.PACK])
+SELECTORS = st.sampled_from([{}, {}, {"pool": "a"}])
 
 
-def _eligible(router: SessionRouter) -> list[WorkerRecord]:
-    return [w for w in router.workers if w.eligible]
+def _eligible(router: SessionRouter, selector: object = ()) -> list[WorkerRecord]:
+    sel = selector if isinstance(selector, tuple) else ()
+    return [w for w in router.workers if w.eligible and matches(w.labels, sel)]
+
+
+def _options(data: st.DataObject, mode: PlacementMode, size: int) -> OptionsSpec:
+    cap = None
+    if mode is PlacementMode.PACK and data.draw(st.booleans()):
+        cap = data.draw(st.integers(1, size))
+    return OptionsSpec(max_members_per_worker=cap, selector=data.draw(SELECTORS))
 
 
 class PlacementMachine(RuleBasedStateMachine):
@@ -50,11 +67,13 @@ class PlacementMachine(RuleBasedStateMachine):
 
     # -- workers -------------------------------------------------------------------------
 
-    @rule(capacity=st.integers(1, 4))
-    def register(self, capacity: int) -> None:
+    @rule(capacity=st.integers(1, 4), pool=st.sampled_from("ab"))
+    def register(self, capacity: int, pool: str) -> None:
         worker_id = f"w{self.next_worker}"
         self.next_worker += 1
-        self.router.register_worker(worker_id, f"10.0.0.{self.next_worker}:1", capacity, {})
+        self.router.register_worker(
+            worker_id, f"10.0.0.{self.next_worker}:1", capacity, {"pool": pool}
+        )
 
     @precondition(lambda self: len(self.router.workers) > 0)
     @rule(data=st.data(), resume=st.booleans())
@@ -82,8 +101,8 @@ class PlacementMachine(RuleBasedStateMachine):
 
     # -- sessions ------------------------------------------------------------------------
 
-    @rule(data=st.data(), size=st.integers(1, 6), strict=st.booleans())
-    def start_session(self, data: st.DataObject, size: int, strict: bool) -> None:
+    @rule(data=st.data(), size=st.integers(1, 6), mode=MODES)
+    def start_session(self, data: st.DataObject, size: int, mode: PlacementMode) -> None:
         open_groups = sorted(
             g.group_id for g in self.router.groups if g.state is GroupState.OPEN and not g.full
         )
@@ -93,12 +112,30 @@ class PlacementMachine(RuleBasedStateMachine):
         if not join:
             self.next_group += 1
         group = self.router.groups.find(group_id)
+        options = OptionsSpec() if group else _options(data, mode, size)
+        if group is not None:
+            policy = group.settings.placement
+            mode, size = policy.mode, group.size
+            selector = policy.selector
+            last = group.members[-1].worker_id if group.members else ""
+        else:
+            selector, last = tuple(sorted(options.selector.items())), ""
         used: Counter[str] = Counter(group.members_per_worker) if group else Counter()
-        eligible = _eligible(self.router)
+        eligible = _eligible(self.router, selector)
         fresh = [w for w in eligible if w.worker_id not in used]
-        mode = PlacementMode.STRICT if strict else PlacementMode.SPREAD
+        caps = {}
+        if mode is PlacementMode.PACK:
+            policy = resolve_placement(options, size, mode) if group is None else policy
+            caps = {
+                w.worker_id: pack_cap(self.router.workers, w, size, used[w.worker_id], policy)
+                for w in eligible
+            }
         cmd = StartSessionCommand(
-            task_id="t", group_id=group_id, group_size=0 if join else size, placement_mode=mode
+            task_id="t",
+            group_id=group_id,
+            group_size=0 if join else size,
+            placement_mode=None if join else mode,
+            options=options,
         )
         try:
             started = self.router.start_session(cmd)
@@ -106,11 +143,24 @@ class PlacementMachine(RuleBasedStateMachine):
             assert not eligible
             return
         except ResourceExhausted:
-            assert strict and not fresh and eligible
+            assert eligible and not fresh
+            if mode is PlacementMode.PACK:
+                assert all(used[w] >= cap for w, cap in caps.items())
+            else:
+                assert mode is PlacementMode.STRICT
             return
         session = started.session
         self.sessions.append(session.name)
         chosen = self.router.workers.get(session.worker_id)
+        assert matches(chosen.labels, selector)
+        if mode is PlacementMode.PACK:
+            assert used[session.worker_id] < caps[session.worker_id]  # cap never exceeded
+            assert session.shared_worker == (used[session.worker_id] > 0)
+            if last in caps and used[last] < caps[last]:
+                assert session.worker_id == last
+            elif fresh:
+                assert session.worker_id in {w.worker_id for w in fresh}
+            return
         if fresh:
             assert not session.shared_worker
             min_load = min(w.load for w in fresh)
@@ -119,21 +169,25 @@ class PlacementMachine(RuleBasedStateMachine):
             # Its load before this placement was the least among fresh workers.
             assert (len(chosen.open_sessions) - 1) / chosen.capacity <= min_load + 1e-12
         else:
-            assert session.shared_worker and not strict
+            assert session.shared_worker and mode is PlacementMode.SPREAD
             fewest = min(used[w.worker_id] for w in eligible)
             assert used[session.worker_id] == fewest
 
-    @rule(size=st.integers(1, 6), strict=st.booleans())
-    def start_group(self, size: int, strict: bool) -> None:
+    @rule(data=st.data(), size=st.integers(1, 6), mode=MODES)
+    def start_group(self, data: st.DataObject, size: int, mode: PlacementMode) -> None:
         before = {w.worker_id: len(w.open_sessions) for w in self.router.workers}
-        eligible = len(_eligible(self.router))
+        options = _options(data, mode, size)
+        eligible = len(_eligible(self.router, tuple(sorted(options.selector.items()))))
         group_id = f"g{self.next_group}"
         self.next_group += 1
-        mode = PlacementMode.STRICT if strict else PlacementMode.SPREAD
         try:
             started = self.router.start_group(
                 StartGroupCommand(
-                    task_id="t", group_size=size, group_id=group_id, placement_mode=mode
+                    task_id="t",
+                    group_size=size,
+                    group_id=group_id,
+                    placement_mode=mode,
+                    options=options,
                 )
             )
         except (Unavailable, ResourceExhausted):
@@ -145,8 +199,11 @@ class PlacementMachine(RuleBasedStateMachine):
         members = started.group.members
         self.sessions += [m.name for m in members]
         distinct = len({m.worker_id for m in members})
-        if strict or size <= eligible:
+        if mode is PlacementMode.STRICT or (mode is PlacementMode.SPREAD and size <= eligible):
             assert distinct == size
+        if options.max_members_per_worker is not None:
+            per_worker = Counter(m.worker_id for m in members)
+            assert max(per_worker.values()) <= options.max_members_per_worker
         assert started.shared_worker == (distinct < size)
 
     @precondition(lambda self: bool(self.sessions))
@@ -189,6 +246,11 @@ class PlacementMachine(RuleBasedStateMachine):
             assert worker.open_sessions == expected[worker.worker_id]
             assert len(worker.open_sessions) <= worker.capacity
         assert self.router.workers.eligible_count == len(_eligible(self.router))
+        for selector in [(), (("pool", "a"),), (("pool", "b"),)]:
+            pool = self.router.workers.pool(selector)
+            matching = _eligible(self.router, selector)
+            assert pool.eligible_count == len(matching)
+            assert pool.eligible_capacity == sum(w.capacity for w in matching)
 
     @invariant()
     def groups_are_consistent(self) -> None:

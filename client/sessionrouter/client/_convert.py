@@ -99,6 +99,7 @@ def session_from_proto(msg: resources_pb2.Session) -> types.Session:
         metadata=dict(msg.metadata),
         request_id=msg.request_id,
         create_time=_time_from_proto(msg.create_time, msg.HasField("create_time")),
+        shares_worker=msg.shares_worker,
     )
 
 
@@ -123,7 +124,11 @@ def estimator_from_proto(msg: resources_pb2.EstimatorConfig) -> types.EstimatorC
 
 
 def group_options_to_proto(value: types.GroupOptions) -> resources_pb2.GroupOptions:
-    msg = resources_pb2.GroupOptions(min_members=value.min_members or 0)
+    msg = resources_pb2.GroupOptions(
+        min_members=value.min_members or 0, selector=dict(value.selector)
+    )
+    if value.max_members_per_worker is not None:
+        msg.max_members_per_worker = value.max_members_per_worker
     if value.estimator is not None:
         msg.estimator.CopyFrom(estimator_to_proto(value.estimator))
     if value.deadline is not None:
@@ -138,6 +143,10 @@ def group_options_from_proto(msg: resources_pb2.GroupOptions) -> types.GroupOpti
         # The proto says "unset or zero means the server default": both read back as None.
         deadline=deadline or None,
         min_members=msg.min_members or None,
+        max_members_per_worker=(
+            msg.max_members_per_worker if msg.HasField("max_members_per_worker") else None
+        ),
+        selector=dict(msg.selector),
     )
 
 
@@ -153,6 +162,8 @@ def group_from_proto(msg: resources_pb2.Group) -> types.Group:
         create_time=_time_from_proto(msg.create_time, msg.HasField("create_time")),
         deadline_time=_time_from_proto(msg.deadline_time, msg.HasField("deadline_time")),
         cursor=msg.cursor,
+        distinct_workers=msg.distinct_workers,
+        shared_worker=msg.shared_worker,
     )
 
 

@@ -119,6 +119,9 @@ class PlacementMode(enum.Enum):
     """Distinct workers while possible, then some workers take a second member, evenly."""
     STRICT = 2
     """Distinct workers or ``ResourceExhaustedError``."""
+    PACK = 3
+    """Together on one worker up to a cap (``GroupOptions.max_members_per_worker``, or the
+    fair share), then the next least-loaded, so a shared prompt prefix is prefilled once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +174,8 @@ class Session:
     metadata: Mapping[str, str] = field(default_factory=dict)
     request_id: str = ""
     create_time: datetime | None = None
+    shares_worker: bool = False
+    """True when another member of the group runs on the same worker (before or after)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +205,10 @@ class GroupOptions:
     estimator: EstimatorConfig | None = None
     deadline: timedelta | None = None
     min_members: int | None = None
+    max_members_per_worker: int | None = None
+    """PACK only: the most members on one worker; ``None`` is the fair share."""
+    selector: Mapping[str, str] = field(default_factory=dict)
+    """Labels a worker must all carry to take members of the group; empty: any worker."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +228,10 @@ class Group:
     deadline_time: datetime | None = None
     cursor: int = 0
     """Position of this group's result on the feed; 0 while the group is open."""
+    distinct_workers: int = 0
+    """How many workers the members were placed on."""
+    shared_worker: bool = False
+    """True when at least two members share a worker (``Session.shares_worker`` says which)."""
 
 
 @dataclass(frozen=True, slots=True)

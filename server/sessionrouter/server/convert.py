@@ -40,6 +40,10 @@ _PLACEMENT: dict[int, placement.PlacementMode | None] = {
     spb.PLACEMENT_MODE_UNSPECIFIED: None,
     spb.PLACEMENT_MODE_SPREAD: placement.PlacementMode.SPREAD,
     spb.PLACEMENT_MODE_STRICT: placement.PlacementMode.STRICT,
+    spb.PLACEMENT_MODE_PACK: placement.PlacementMode.PACK,
+}
+_PLACEMENT_TO_PROTO: dict[placement.PlacementMode, spb.PlacementMode.ValueType] = {
+    mode: spb.PlacementMode.ValueType(value) for value, mode in _PLACEMENT.items() if mode
 }
 
 
@@ -68,7 +72,8 @@ def worker_to_proto(w: WorkerRecord) -> pb.Worker:
     )
 
 
-def session_to_proto(s: groups.SessionRecord) -> pb.Session:
+def session_to_proto(s: groups.SessionRecord, group: groups.GroupRecord | None) -> pb.Session:
+    """``group`` is the session's own (None only if it is no longer retained)."""
     msg = pb.Session(
         name=s.name,
         group_id=s.group_id,
@@ -81,6 +86,7 @@ def session_to_proto(s: groups.SessionRecord) -> pb.Session:
         metadata=s.metadata,
         request_id=s.request_id,
         create_time=timestamp(s.create_time),
+        shares_worker=group.shares_worker(s) if group is not None else s.shared_worker,
     )
     if s.reward is not None:
         msg.reward = s.reward
@@ -98,16 +104,31 @@ def group_to_proto(g: groups.GroupRecord, *, with_members: bool = True) -> pb.Gr
         task_id=g.task_id,
         group_size=g.size,
         state=_GROUP_STATE[g.state],
-        members=[session_to_proto(s) for s in g.members] if with_members else [],
-        options=pb.GroupOptions(
-            estimator=estimator_to_proto(g.settings.estimator),
-            deadline=duration(g.settings.deadline_s),
-            min_members=g.settings.min_members,
-        ),
+        members=[session_to_proto(s, g) for s in g.members] if with_members else [],
+        options=options_to_proto(g.settings),
         create_time=timestamp(g.create_time),
         deadline_time=timestamp(g.deadline_wall),
         cursor=g.cursor,
+        distinct_workers=g.distinct_workers,
+        shared_worker=g.distinct_workers < len(g.members),
     )
+
+
+def options_to_proto(settings: groups.GroupSettings) -> pb.GroupOptions:
+    policy = settings.placement
+    msg = pb.GroupOptions(
+        estimator=estimator_to_proto(settings.estimator),
+        deadline=duration(settings.deadline_s),
+        min_members=settings.min_members,
+        selector=dict(policy.selector),
+    )
+    if policy.max_members_per_worker:
+        msg.max_members_per_worker = policy.max_members_per_worker
+    return msg
+
+
+def placement_to_proto(g: groups.GroupRecord) -> spb.PlacementMode.ValueType:
+    return _PLACEMENT_TO_PROTO[g.settings.placement.mode]
 
 
 def result_to_proto(r: feed.GroupResult) -> pb.GroupResult:
@@ -138,6 +159,10 @@ def options_from_proto(msg: pb.GroupOptions) -> router.OptionsSpec:
         batch_std=est.batch_std if est.HasField("batch_std") else None,
         deadline_s=msg.deadline.ToNanoseconds() / 1e9 if msg.HasField("deadline") else 0.0,
         min_members=msg.min_members,
+        max_members_per_worker=(
+            msg.max_members_per_worker if msg.HasField("max_members_per_worker") else None
+        ),
+        selector=dict(msg.selector),
     )
 
 

@@ -195,11 +195,12 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
         except RouterError as error:
             await _abort(context, error)
         reply = spb.StartSessionResponse(
-            session=convert.session_to_proto(started.session),
+            session=convert.session_to_proto(started.session, started.group),
             group_size=started.group.size,
             group_created=started.group_created,
             shared_worker=started.session.shared_worker,
             replayed=started.replayed,
+            placement_mode=convert.placement_to_proto(started.group),
         )
         await _durable(self._commit, context)
         return reply
@@ -215,6 +216,7 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
             group=convert.group_to_proto(started.group),
             shared_worker=started.shared_worker,
             replayed=started.replayed,
+            placement_mode=convert.placement_to_proto(started.group),
         )
         await _durable(self._commit, context)
         return reply
@@ -226,7 +228,9 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
             session = self._router.abort_session(request.session, request.reason)
         except RouterError as error:
             await _abort(context, error)
-        reply = spb.AbortSessionResponse(session=convert.session_to_proto(session))
+        reply = spb.AbortSessionResponse(
+            session=convert.session_to_proto(session, self._router.find_group(session.group_id))
+        )
         await _durable(self._commit, context)
         return reply
 
@@ -237,7 +241,9 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
             session = self._router.get_session(request.session)
         except RouterError as error:
             await _abort(context, error)
-        return spb.GetSessionResponse(session=convert.session_to_proto(session))
+        return spb.GetSessionResponse(
+            session=convert.session_to_proto(session, self._router.find_group(session.group_id))
+        )
 
     async def GetGroup(
         self, request: spb.GetGroupRequest, context: grpc.aio.ServicerContext[object, object]
@@ -246,7 +252,9 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
             group = self._router.get_group(request.group_id)
         except RouterError as error:
             await _abort(context, error)
-        return spb.GetGroupResponse(group=convert.group_to_proto(group))
+        return spb.GetGroupResponse(
+            group=convert.group_to_proto(group), placement_mode=convert.placement_to_proto(group)
+        )
 
     async def ListGroups(
         self, request: spb.ListGroupsRequest, context: grpc.aio.ServicerContext[object, object]

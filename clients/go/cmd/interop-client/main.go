@@ -145,8 +145,8 @@ func startGroup(ctx context.Context, sessions pb.SessionServiceClient, groupID, 
 		if other, taken := onWorker[s.GetWorkerId()]; taken || s.GetWorkerId() == "" {
 			return nil, fmt.Errorf("sessions %s and %s share worker %q", other, s.GetName(), s.GetWorkerId())
 		}
-		if reply.GetSharedWorker() {
-			return nil, fmt.Errorf("session %s: shared_worker set although 4 workers are free", s.GetName())
+		if reply.GetSharedWorker() || s.GetSharesWorker() {
+			return nil, fmt.Errorf("session %s: shared_worker or shares_worker set although 4 workers are free", s.GetName())
 		}
 		members[s.GetIndex()] = s
 		onWorker[s.GetWorkerId()] = s.GetName()

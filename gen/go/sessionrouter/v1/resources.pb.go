@@ -401,8 +401,13 @@ type Session struct {
 	// at most 1024.
 	Metadata map[string]string `protobuf:"bytes,10,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// The request id the session was started with, empty if none.
-	RequestId     string                 `protobuf:"bytes,11,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
-	CreateTime    *timestamppb.Timestamp `protobuf:"bytes,12,opt,name=create_time,json=createTime,proto3" json:"create_time,omitempty"`
+	RequestId  string                 `protobuf:"bytes,11,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	CreateTime *timestamppb.Timestamp `protobuf:"bytes,12,opt,name=create_time,json=createTime,proto3" json:"create_time,omitempty"`
+	// True when at least one other member of the group was placed on the same worker, before
+	// or after this one (PACK places members together on purpose; SPREAD only when workers
+	// are scarce). Unlike StartSessionResponse.shared_worker, which was fixed when the session
+	// was placed, this says it for every member.
+	SharesWorker  bool `protobuf:"varint,20,opt,name=shares_worker,json=sharesWorker,proto3" json:"shares_worker,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -521,6 +526,13 @@ func (x *Session) GetCreateTime() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *Session) GetSharesWorker() bool {
+	if x != nil {
+		return x.SharesWorker
+	}
+	return false
+}
+
 // How the advantages of a group are computed. Every field is optional: an unset field takes
 // the server's default.
 type EstimatorConfig struct {
@@ -609,7 +621,17 @@ type GroupOptions struct {
 	// Least number of rewarded members for a group that expires, or whose remaining members
 	// were aborted, to be finalized as partial instead of dropped. Zero means the server
 	// default (itself capped at the group size). At most group_size.
-	MinMembers    uint32 `protobuf:"varint,3,opt,name=min_members,json=minMembers,proto3" json:"min_members,omitempty"`
+	MinMembers uint32 `protobuf:"varint,3,opt,name=min_members,json=minMembers,proto3" json:"min_members,omitempty"`
+	// PACK placement only: the most members of the group one worker takes, 1 to group_size.
+	// Unset means the fair share `ceil(group_size * worker capacity / eligible capacity of
+	// the pool)`, at least 1. Either way bounded by the worker's free slots. Zero, or a cap
+	// with another placement mode, is INVALID_ARGUMENT.
+	MaxMembersPerWorker *uint32 `protobuf:"varint,20,opt,name=max_members_per_worker,json=maxMembersPerWorker,proto3,oneof" json:"max_members_per_worker,omitempty"`
+	// Only workers whose labels include every entry of this map take members of the group.
+	// Empty: every worker. When no registered worker matches, starting a member is
+	// UNAVAILABLE with reason NO_MATCHING_WORKER and the selector (`key=value,...`) in the
+	// details. Same limits as Worker.labels.
+	Selector      map[string]string `protobuf:"bytes,21,rep,name=selector,proto3" json:"selector,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -665,6 +687,20 @@ func (x *GroupOptions) GetMinMembers() uint32 {
 	return 0
 }
 
+func (x *GroupOptions) GetMaxMembersPerWorker() uint32 {
+	if x != nil && x.MaxMembersPerWorker != nil {
+		return *x.MaxMembersPerWorker
+	}
+	return 0
+}
+
+func (x *GroupOptions) GetSelector() map[string]string {
+	if x != nil {
+		return x.Selector
+	}
+	return nil
+}
+
 // A group of sessions answering one task.
 type Group struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
@@ -682,7 +718,12 @@ type Group struct {
 	CreateTime   *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=create_time,json=createTime,proto3" json:"create_time,omitempty"`
 	DeadlineTime *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=deadline_time,json=deadlineTime,proto3" json:"deadline_time,omitempty"`
 	// Position of the group's result on the completed-group feed; 0 while the group is open.
-	Cursor        uint64 `protobuf:"varint,10,opt,name=cursor,proto3" json:"cursor,omitempty"`
+	Cursor uint64 `protobuf:"varint,10,opt,name=cursor,proto3" json:"cursor,omitempty"`
+	// How many distinct workers the members were placed on.
+	DistinctWorkers uint32 `protobuf:"varint,20,opt,name=distinct_workers,json=distinctWorkers,proto3" json:"distinct_workers,omitempty"`
+	// True when at least two members share a worker (each member's `shares_worker` says
+	// which).
+	SharedWorker  bool `protobuf:"varint,21,opt,name=shared_worker,json=sharedWorker,proto3" json:"shared_worker,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -785,6 +826,20 @@ func (x *Group) GetCursor() uint64 {
 		return x.Cursor
 	}
 	return 0
+}
+
+func (x *Group) GetDistinctWorkers() uint32 {
+	if x != nil {
+		return x.DistinctWorkers
+	}
+	return 0
+}
+
+func (x *Group) GetSharedWorker() bool {
+	if x != nil {
+		return x.SharedWorker
+	}
+	return false
 }
 
 // A finalized group, as trainers consume it. The repeated fields `sessions`, `rewards` and
@@ -964,7 +1019,7 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\x13last_heartbeat_time\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\x11lastHeartbeatTime\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x88\x04\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xad\x04\n" +
 	"\aSession\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x19\n" +
 	"\bgroup_id\x18\x02 \x01(\tR\agroupId\x12\x14\n" +
@@ -981,7 +1036,8 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\n" +
 	"request_id\x18\v \x01(\tR\trequestId\x12;\n" +
 	"\vcreate_time\x18\f \x01(\v2\x1a.google.protobuf.TimestampR\n" +
-	"createTime\x1a;\n" +
+	"createTime\x12#\n" +
+	"\rshares_worker\x18\x14 \x01(\bR\fsharesWorker\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\t\n" +
@@ -994,12 +1050,18 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\x04_epsB\a\n" +
 	"\x05_ddofB\f\n" +
 	"\n" +
-	"_batch_std\"\xa7\x01\n" +
+	"_batch_std\"\x83\x03\n" +
 	"\fGroupOptions\x12?\n" +
 	"\testimator\x18\x01 \x01(\v2!.sessionrouter.v1.EstimatorConfigR\testimator\x125\n" +
 	"\bdeadline\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\bdeadline\x12\x1f\n" +
 	"\vmin_members\x18\x03 \x01(\rR\n" +
-	"minMembers\"\xa7\x03\n" +
+	"minMembers\x128\n" +
+	"\x16max_members_per_worker\x18\x14 \x01(\rH\x00R\x13maxMembersPerWorker\x88\x01\x01\x12H\n" +
+	"\bselector\x18\x15 \x03(\v2,.sessionrouter.v1.GroupOptions.SelectorEntryR\bselector\x1a;\n" +
+	"\rSelectorEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\x19\n" +
+	"\x17_max_members_per_worker\"\xf7\x03\n" +
 	"\x05Group\x12\x19\n" +
 	"\bgroup_id\x18\x01 \x01(\tR\agroupId\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x17\n" +
@@ -1013,7 +1075,9 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"createTime\x12?\n" +
 	"\rdeadline_time\x18\t \x01(\v2\x1a.google.protobuf.TimestampR\fdeadlineTime\x12\x16\n" +
 	"\x06cursor\x18\n" +
-	" \x01(\x04R\x06cursor\"\xfd\x03\n" +
+	" \x01(\x04R\x06cursor\x12)\n" +
+	"\x10distinct_workers\x18\x14 \x01(\rR\x0fdistinctWorkers\x12#\n" +
+	"\rshared_worker\x18\x15 \x01(\bR\fsharedWorker\"\xfd\x03\n" +
 	"\vGroupResult\x12\x16\n" +
 	"\x06cursor\x18\x01 \x01(\x04R\x06cursor\x12\x19\n" +
 	"\bgroup_id\x18\x02 \x01(\tR\agroupId\x12\x17\n" +
@@ -1070,7 +1134,7 @@ func file_sessionrouter_v1_resources_proto_rawDescGZIP() []byte {
 }
 
 var file_sessionrouter_v1_resources_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_sessionrouter_v1_resources_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
+var file_sessionrouter_v1_resources_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
 var file_sessionrouter_v1_resources_proto_goTypes = []any{
 	(WorkerHealth)(0),             // 0: sessionrouter.v1.WorkerHealth
 	(SessionState)(0),             // 1: sessionrouter.v1.SessionState
@@ -1084,31 +1148,33 @@ var file_sessionrouter_v1_resources_proto_goTypes = []any{
 	(*GroupResult)(nil),           // 9: sessionrouter.v1.GroupResult
 	nil,                           // 10: sessionrouter.v1.Worker.LabelsEntry
 	nil,                           // 11: sessionrouter.v1.Session.MetadataEntry
-	(*timestamppb.Timestamp)(nil), // 12: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 13: google.protobuf.Duration
+	nil,                           // 12: sessionrouter.v1.GroupOptions.SelectorEntry
+	(*timestamppb.Timestamp)(nil), // 13: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 14: google.protobuf.Duration
 }
 var file_sessionrouter_v1_resources_proto_depIdxs = []int32{
 	10, // 0: sessionrouter.v1.Worker.labels:type_name -> sessionrouter.v1.Worker.LabelsEntry
 	0,  // 1: sessionrouter.v1.Worker.health:type_name -> sessionrouter.v1.WorkerHealth
-	12, // 2: sessionrouter.v1.Worker.last_heartbeat_time:type_name -> google.protobuf.Timestamp
+	13, // 2: sessionrouter.v1.Worker.last_heartbeat_time:type_name -> google.protobuf.Timestamp
 	1,  // 3: sessionrouter.v1.Session.state:type_name -> sessionrouter.v1.SessionState
 	11, // 4: sessionrouter.v1.Session.metadata:type_name -> sessionrouter.v1.Session.MetadataEntry
-	12, // 5: sessionrouter.v1.Session.create_time:type_name -> google.protobuf.Timestamp
+	13, // 5: sessionrouter.v1.Session.create_time:type_name -> google.protobuf.Timestamp
 	6,  // 6: sessionrouter.v1.GroupOptions.estimator:type_name -> sessionrouter.v1.EstimatorConfig
-	13, // 7: sessionrouter.v1.GroupOptions.deadline:type_name -> google.protobuf.Duration
-	2,  // 8: sessionrouter.v1.Group.state:type_name -> sessionrouter.v1.GroupState
-	5,  // 9: sessionrouter.v1.Group.members:type_name -> sessionrouter.v1.Session
-	7,  // 10: sessionrouter.v1.Group.options:type_name -> sessionrouter.v1.GroupOptions
-	12, // 11: sessionrouter.v1.Group.create_time:type_name -> google.protobuf.Timestamp
-	12, // 12: sessionrouter.v1.Group.deadline_time:type_name -> google.protobuf.Timestamp
-	3,  // 13: sessionrouter.v1.GroupResult.outcome:type_name -> sessionrouter.v1.GroupOutcome
-	6,  // 14: sessionrouter.v1.GroupResult.estimator:type_name -> sessionrouter.v1.EstimatorConfig
-	12, // 15: sessionrouter.v1.GroupResult.finalize_time:type_name -> google.protobuf.Timestamp
-	16, // [16:16] is the sub-list for method output_type
-	16, // [16:16] is the sub-list for method input_type
-	16, // [16:16] is the sub-list for extension type_name
-	16, // [16:16] is the sub-list for extension extendee
-	0,  // [0:16] is the sub-list for field type_name
+	14, // 7: sessionrouter.v1.GroupOptions.deadline:type_name -> google.protobuf.Duration
+	12, // 8: sessionrouter.v1.GroupOptions.selector:type_name -> sessionrouter.v1.GroupOptions.SelectorEntry
+	2,  // 9: sessionrouter.v1.Group.state:type_name -> sessionrouter.v1.GroupState
+	5,  // 10: sessionrouter.v1.Group.members:type_name -> sessionrouter.v1.Session
+	7,  // 11: sessionrouter.v1.Group.options:type_name -> sessionrouter.v1.GroupOptions
+	13, // 12: sessionrouter.v1.Group.create_time:type_name -> google.protobuf.Timestamp
+	13, // 13: sessionrouter.v1.Group.deadline_time:type_name -> google.protobuf.Timestamp
+	3,  // 14: sessionrouter.v1.GroupResult.outcome:type_name -> sessionrouter.v1.GroupOutcome
+	6,  // 15: sessionrouter.v1.GroupResult.estimator:type_name -> sessionrouter.v1.EstimatorConfig
+	13, // 16: sessionrouter.v1.GroupResult.finalize_time:type_name -> google.protobuf.Timestamp
+	17, // [17:17] is the sub-list for method output_type
+	17, // [17:17] is the sub-list for method input_type
+	17, // [17:17] is the sub-list for extension type_name
+	17, // [17:17] is the sub-list for extension extendee
+	0,  // [0:17] is the sub-list for field type_name
 }
 
 func init() { file_sessionrouter_v1_resources_proto_init() }
@@ -1118,13 +1184,14 @@ func file_sessionrouter_v1_resources_proto_init() {
 	}
 	file_sessionrouter_v1_resources_proto_msgTypes[1].OneofWrappers = []any{}
 	file_sessionrouter_v1_resources_proto_msgTypes[2].OneofWrappers = []any{}
+	file_sessionrouter_v1_resources_proto_msgTypes[3].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_sessionrouter_v1_resources_proto_rawDesc), len(file_sessionrouter_v1_resources_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   8,
+			NumMessages:   9,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -33,7 +33,16 @@ const (
 	// second (third...) member, spread evenly, and the reply sets `shared_worker`.
 	PlacementMode_PLACEMENT_MODE_SPREAD PlacementMode = 1
 	// Distinct workers or nothing: RESOURCE_EXHAUSTED when a member would share a worker.
+	// Through StartSession, the members already placed stay placed and the group stays open:
+	// the refusal's details give `members_placed`; abort them, or let the deadline end the
+	// group (PARTIAL or DROPPED). StartGroup is all or none.
 	PlacementMode_PLACEMENT_MODE_STRICT PlacementMode = 2
+	// Members together, so that a shared prompt prefix is prefilled once: the worker of the
+	// group's latest member while it holds fewer than its cap (GroupOptions.
+	// max_members_per_worker, or the fair share), then the least-loaded worker the group does
+	// not use yet. Members after the first on a worker have `shares_worker` set. When every
+	// eligible worker holds its cap: RESOURCE_EXHAUSTED with reason PACK_CAP_REACHED.
+	PlacementMode_PLACEMENT_MODE_PACK PlacementMode = 3
 )
 
 // Enum value maps for PlacementMode.
@@ -42,11 +51,13 @@ var (
 		0: "PLACEMENT_MODE_UNSPECIFIED",
 		1: "PLACEMENT_MODE_SPREAD",
 		2: "PLACEMENT_MODE_STRICT",
+		3: "PLACEMENT_MODE_PACK",
 	}
 	PlacementMode_value = map[string]int32{
 		"PLACEMENT_MODE_UNSPECIFIED": 0,
 		"PLACEMENT_MODE_SPREAD":      1,
 		"PLACEMENT_MODE_STRICT":      2,
+		"PLACEMENT_MODE_PACK":        3,
 	}
 )
 
@@ -168,7 +179,9 @@ type StartSessionRequest struct {
 	Metadata map[string]string `protobuf:"bytes,5,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// Options of the group, read only when this call creates it. When joining, they must be
 	// unset or equal to the group's.
-	GroupOptions  *GroupOptions `protobuf:"bytes,6,opt,name=group_options,json=groupOptions,proto3" json:"group_options,omitempty"`
+	GroupOptions *GroupOptions `protobuf:"bytes,6,opt,name=group_options,json=groupOptions,proto3" json:"group_options,omitempty"`
+	// The group's placement mode, read when this call creates the group. A joiner follows
+	// the group's mode: unset, or equal to it (another mode is INVALID_ARGUMENT).
 	PlacementMode PlacementMode `protobuf:"varint,7,opt,name=placement_mode,json=placementMode,proto3,enum=sessionrouter.v1.PlacementMode" json:"placement_mode,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -264,7 +277,9 @@ type StartSessionResponse struct {
 	// fewer eligible workers than members were available.
 	SharedWorker bool `protobuf:"varint,4,opt,name=shared_worker,json=sharedWorker,proto3" json:"shared_worker,omitempty"`
 	// True when this reply repeats an earlier one for the same request_id.
-	Replayed      bool `protobuf:"varint,5,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	Replayed bool `protobuf:"varint,5,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	// The group's placement mode (the server default resolved).
+	PlacementMode PlacementMode `protobuf:"varint,20,opt,name=placement_mode,json=placementMode,proto3,enum=sessionrouter.v1.PlacementMode" json:"placement_mode,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -332,6 +347,13 @@ func (x *StartSessionResponse) GetReplayed() bool {
 		return x.Replayed
 	}
 	return false
+}
+
+func (x *StartSessionResponse) GetPlacementMode() PlacementMode {
+	if x != nil {
+		return x.PlacementMode
+	}
+	return PlacementMode_PLACEMENT_MODE_UNSPECIFIED
 }
 
 type StartGroupRequest struct {
@@ -439,7 +461,9 @@ type StartGroupResponse struct {
 	// True when at least two members share a worker.
 	SharedWorker bool `protobuf:"varint,2,opt,name=shared_worker,json=sharedWorker,proto3" json:"shared_worker,omitempty"`
 	// True when this reply repeats an earlier one for the same request_id.
-	Replayed      bool `protobuf:"varint,3,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	Replayed bool `protobuf:"varint,3,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	// The group's placement mode (the server default resolved).
+	PlacementMode PlacementMode `protobuf:"varint,20,opt,name=placement_mode,json=placementMode,proto3,enum=sessionrouter.v1.PlacementMode" json:"placement_mode,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -493,6 +517,13 @@ func (x *StartGroupResponse) GetReplayed() bool {
 		return x.Replayed
 	}
 	return false
+}
+
+func (x *StartGroupResponse) GetPlacementMode() PlacementMode {
+	if x != nil {
+		return x.PlacementMode
+	}
+	return PlacementMode_PLACEMENT_MODE_UNSPECIFIED
 }
 
 type AbortSessionRequest struct {
@@ -727,8 +758,10 @@ func (x *GetGroupRequest) GetGroupId() string {
 }
 
 type GetGroupResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Group         *Group                 `protobuf:"bytes,1,opt,name=group,proto3" json:"group,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Group *Group                 `protobuf:"bytes,1,opt,name=group,proto3" json:"group,omitempty"`
+	// The group's placement mode (the server default resolved).
+	PlacementMode PlacementMode `protobuf:"varint,20,opt,name=placement_mode,json=placementMode,proto3,enum=sessionrouter.v1.PlacementMode" json:"placement_mode,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -768,6 +801,13 @@ func (x *GetGroupResponse) GetGroup() *Group {
 		return x.Group
 	}
 	return nil
+}
+
+func (x *GetGroupResponse) GetPlacementMode() PlacementMode {
+	if x != nil {
+		return x.PlacementMode
+	}
+	return PlacementMode_PLACEMENT_MODE_UNSPECIFIED
 }
 
 type ListGroupsRequest struct {
@@ -943,7 +983,9 @@ func (x *RewardEntry) GetReward() float64 {
 
 type SubmitRewardsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// 1 to 4096 entries.
+	// 1 to 4096 entries. A request with none, or more, is INVALID_ARGUMENT (reason
+	// NO_ENTRIES or TOO_MANY_ENTRIES) and ends the stream after the acks of the requests
+	// before it.
 	Entries []*RewardEntry `protobuf:"bytes,1,rep,name=entries,proto3" json:"entries,omitempty"`
 	// Echoed in the ack, so that a client can match acks to requests. Free for the caller.
 	Sequence      uint64 `protobuf:"varint,2,opt,name=sequence,proto3" json:"sequence,omitempty"`
@@ -1282,14 +1324,15 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\v\n" +
-	"\t_group_id\"\xd0\x01\n" +
+	"\t_group_id\"\x98\x02\n" +
 	"\x14StartSessionResponse\x123\n" +
 	"\asession\x18\x01 \x01(\v2\x19.sessionrouter.v1.SessionR\asession\x12\x1d\n" +
 	"\n" +
 	"group_size\x18\x02 \x01(\rR\tgroupSize\x12#\n" +
 	"\rgroup_created\x18\x03 \x01(\bR\fgroupCreated\x12#\n" +
 	"\rshared_worker\x18\x04 \x01(\bR\fsharedWorker\x12\x1a\n" +
-	"\breplayed\x18\x05 \x01(\bR\breplayed\"\xb0\x03\n" +
+	"\breplayed\x18\x05 \x01(\bR\breplayed\x12F\n" +
+	"\x0eplacement_mode\x18\x14 \x01(\x0e2\x1f.sessionrouter.v1.PlacementModeR\rplacementMode\"\xb0\x03\n" +
 	"\x11StartGroupRequest\x12\x17\n" +
 	"\atask_id\x18\x01 \x01(\tR\x06taskId\x12\x1e\n" +
 	"\bgroup_id\x18\x02 \x01(\tH\x00R\agroupId\x88\x01\x01\x12\x1d\n" +
@@ -1303,11 +1346,12 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\v\n" +
-	"\t_group_id\"\x84\x01\n" +
+	"\t_group_id\"\xcc\x01\n" +
 	"\x12StartGroupResponse\x12-\n" +
 	"\x05group\x18\x01 \x01(\v2\x17.sessionrouter.v1.GroupR\x05group\x12#\n" +
 	"\rshared_worker\x18\x02 \x01(\bR\fsharedWorker\x12\x1a\n" +
-	"\breplayed\x18\x03 \x01(\bR\breplayed\"G\n" +
+	"\breplayed\x18\x03 \x01(\bR\breplayed\x12F\n" +
+	"\x0eplacement_mode\x18\x14 \x01(\x0e2\x1f.sessionrouter.v1.PlacementModeR\rplacementMode\"G\n" +
 	"\x13AbortSessionRequest\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x16\n" +
 	"\x06reason\x18\x02 \x01(\tR\x06reason\"K\n" +
@@ -1318,9 +1362,10 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"\x12GetSessionResponse\x123\n" +
 	"\asession\x18\x01 \x01(\v2\x19.sessionrouter.v1.SessionR\asession\",\n" +
 	"\x0fGetGroupRequest\x12\x19\n" +
-	"\bgroup_id\x18\x01 \x01(\tR\agroupId\"A\n" +
+	"\bgroup_id\x18\x01 \x01(\tR\agroupId\"\x89\x01\n" +
 	"\x10GetGroupResponse\x12-\n" +
-	"\x05group\x18\x01 \x01(\v2\x17.sessionrouter.v1.GroupR\x05group\"\x83\x01\n" +
+	"\x05group\x18\x01 \x01(\v2\x17.sessionrouter.v1.GroupR\x05group\x12F\n" +
+	"\x0eplacement_mode\x18\x14 \x01(\x0e2\x1f.sessionrouter.v1.PlacementModeR\rplacementMode\"\x83\x01\n" +
 	"\x11ListGroupsRequest\x12\x1b\n" +
 	"\tpage_size\x18\x01 \x01(\rR\bpageSize\x12\x1d\n" +
 	"\n" +
@@ -1349,11 +1394,12 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"\vfrom_latest\x18\x02 \x01(\bR\n" +
 	"fromLatest\"P\n" +
 	"\x17SubscribeGroupsResponse\x125\n" +
-	"\x06groups\x18\x01 \x03(\v2\x1d.sessionrouter.v1.GroupResultR\x06groups*e\n" +
+	"\x06groups\x18\x01 \x03(\v2\x1d.sessionrouter.v1.GroupResultR\x06groups*~\n" +
 	"\rPlacementMode\x12\x1e\n" +
 	"\x1aPLACEMENT_MODE_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15PLACEMENT_MODE_SPREAD\x10\x01\x12\x19\n" +
-	"\x15PLACEMENT_MODE_STRICT\x10\x02*\x86\x02\n" +
+	"\x15PLACEMENT_MODE_STRICT\x10\x02\x12\x17\n" +
+	"\x13PLACEMENT_MODE_PACK\x10\x03*\x86\x02\n" +
 	"\fRewardStatus\x12\x1d\n" +
 	"\x19REWARD_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n" +
 	"\x16REWARD_STATUS_ACCEPTED\x10\x01\x12\x1b\n" +
@@ -1426,42 +1472,45 @@ var file_sessionrouter_v1_session_service_proto_depIdxs = []int32{
 	23, // 1: sessionrouter.v1.StartSessionRequest.group_options:type_name -> sessionrouter.v1.GroupOptions
 	0,  // 2: sessionrouter.v1.StartSessionRequest.placement_mode:type_name -> sessionrouter.v1.PlacementMode
 	24, // 3: sessionrouter.v1.StartSessionResponse.session:type_name -> sessionrouter.v1.Session
-	22, // 4: sessionrouter.v1.StartGroupRequest.metadata:type_name -> sessionrouter.v1.StartGroupRequest.MetadataEntry
-	23, // 5: sessionrouter.v1.StartGroupRequest.group_options:type_name -> sessionrouter.v1.GroupOptions
-	0,  // 6: sessionrouter.v1.StartGroupRequest.placement_mode:type_name -> sessionrouter.v1.PlacementMode
-	25, // 7: sessionrouter.v1.StartGroupResponse.group:type_name -> sessionrouter.v1.Group
-	24, // 8: sessionrouter.v1.AbortSessionResponse.session:type_name -> sessionrouter.v1.Session
-	24, // 9: sessionrouter.v1.GetSessionResponse.session:type_name -> sessionrouter.v1.Session
-	25, // 10: sessionrouter.v1.GetGroupResponse.group:type_name -> sessionrouter.v1.Group
-	26, // 11: sessionrouter.v1.ListGroupsRequest.state:type_name -> sessionrouter.v1.GroupState
-	25, // 12: sessionrouter.v1.ListGroupsResponse.groups:type_name -> sessionrouter.v1.Group
-	14, // 13: sessionrouter.v1.SubmitRewardsRequest.entries:type_name -> sessionrouter.v1.RewardEntry
-	1,  // 14: sessionrouter.v1.RewardResult.status:type_name -> sessionrouter.v1.RewardStatus
-	16, // 15: sessionrouter.v1.RewardAck.results:type_name -> sessionrouter.v1.RewardResult
-	17, // 16: sessionrouter.v1.SubmitRewardsResponse.ack:type_name -> sessionrouter.v1.RewardAck
-	27, // 17: sessionrouter.v1.SubmitRewardsResponse.group_results:type_name -> sessionrouter.v1.GroupResult
-	27, // 18: sessionrouter.v1.SubscribeGroupsResponse.groups:type_name -> sessionrouter.v1.GroupResult
-	2,  // 19: sessionrouter.v1.SessionService.StartSession:input_type -> sessionrouter.v1.StartSessionRequest
-	4,  // 20: sessionrouter.v1.SessionService.StartGroup:input_type -> sessionrouter.v1.StartGroupRequest
-	6,  // 21: sessionrouter.v1.SessionService.AbortSession:input_type -> sessionrouter.v1.AbortSessionRequest
-	8,  // 22: sessionrouter.v1.SessionService.GetSession:input_type -> sessionrouter.v1.GetSessionRequest
-	10, // 23: sessionrouter.v1.SessionService.GetGroup:input_type -> sessionrouter.v1.GetGroupRequest
-	12, // 24: sessionrouter.v1.SessionService.ListGroups:input_type -> sessionrouter.v1.ListGroupsRequest
-	15, // 25: sessionrouter.v1.SessionService.SubmitRewards:input_type -> sessionrouter.v1.SubmitRewardsRequest
-	19, // 26: sessionrouter.v1.SessionService.SubscribeGroups:input_type -> sessionrouter.v1.SubscribeGroupsRequest
-	3,  // 27: sessionrouter.v1.SessionService.StartSession:output_type -> sessionrouter.v1.StartSessionResponse
-	5,  // 28: sessionrouter.v1.SessionService.StartGroup:output_type -> sessionrouter.v1.StartGroupResponse
-	7,  // 29: sessionrouter.v1.SessionService.AbortSession:output_type -> sessionrouter.v1.AbortSessionResponse
-	9,  // 30: sessionrouter.v1.SessionService.GetSession:output_type -> sessionrouter.v1.GetSessionResponse
-	11, // 31: sessionrouter.v1.SessionService.GetGroup:output_type -> sessionrouter.v1.GetGroupResponse
-	13, // 32: sessionrouter.v1.SessionService.ListGroups:output_type -> sessionrouter.v1.ListGroupsResponse
-	18, // 33: sessionrouter.v1.SessionService.SubmitRewards:output_type -> sessionrouter.v1.SubmitRewardsResponse
-	20, // 34: sessionrouter.v1.SessionService.SubscribeGroups:output_type -> sessionrouter.v1.SubscribeGroupsResponse
-	27, // [27:35] is the sub-list for method output_type
-	19, // [19:27] is the sub-list for method input_type
-	19, // [19:19] is the sub-list for extension type_name
-	19, // [19:19] is the sub-list for extension extendee
-	0,  // [0:19] is the sub-list for field type_name
+	0,  // 4: sessionrouter.v1.StartSessionResponse.placement_mode:type_name -> sessionrouter.v1.PlacementMode
+	22, // 5: sessionrouter.v1.StartGroupRequest.metadata:type_name -> sessionrouter.v1.StartGroupRequest.MetadataEntry
+	23, // 6: sessionrouter.v1.StartGroupRequest.group_options:type_name -> sessionrouter.v1.GroupOptions
+	0,  // 7: sessionrouter.v1.StartGroupRequest.placement_mode:type_name -> sessionrouter.v1.PlacementMode
+	25, // 8: sessionrouter.v1.StartGroupResponse.group:type_name -> sessionrouter.v1.Group
+	0,  // 9: sessionrouter.v1.StartGroupResponse.placement_mode:type_name -> sessionrouter.v1.PlacementMode
+	24, // 10: sessionrouter.v1.AbortSessionResponse.session:type_name -> sessionrouter.v1.Session
+	24, // 11: sessionrouter.v1.GetSessionResponse.session:type_name -> sessionrouter.v1.Session
+	25, // 12: sessionrouter.v1.GetGroupResponse.group:type_name -> sessionrouter.v1.Group
+	0,  // 13: sessionrouter.v1.GetGroupResponse.placement_mode:type_name -> sessionrouter.v1.PlacementMode
+	26, // 14: sessionrouter.v1.ListGroupsRequest.state:type_name -> sessionrouter.v1.GroupState
+	25, // 15: sessionrouter.v1.ListGroupsResponse.groups:type_name -> sessionrouter.v1.Group
+	14, // 16: sessionrouter.v1.SubmitRewardsRequest.entries:type_name -> sessionrouter.v1.RewardEntry
+	1,  // 17: sessionrouter.v1.RewardResult.status:type_name -> sessionrouter.v1.RewardStatus
+	16, // 18: sessionrouter.v1.RewardAck.results:type_name -> sessionrouter.v1.RewardResult
+	17, // 19: sessionrouter.v1.SubmitRewardsResponse.ack:type_name -> sessionrouter.v1.RewardAck
+	27, // 20: sessionrouter.v1.SubmitRewardsResponse.group_results:type_name -> sessionrouter.v1.GroupResult
+	27, // 21: sessionrouter.v1.SubscribeGroupsResponse.groups:type_name -> sessionrouter.v1.GroupResult
+	2,  // 22: sessionrouter.v1.SessionService.StartSession:input_type -> sessionrouter.v1.StartSessionRequest
+	4,  // 23: sessionrouter.v1.SessionService.StartGroup:input_type -> sessionrouter.v1.StartGroupRequest
+	6,  // 24: sessionrouter.v1.SessionService.AbortSession:input_type -> sessionrouter.v1.AbortSessionRequest
+	8,  // 25: sessionrouter.v1.SessionService.GetSession:input_type -> sessionrouter.v1.GetSessionRequest
+	10, // 26: sessionrouter.v1.SessionService.GetGroup:input_type -> sessionrouter.v1.GetGroupRequest
+	12, // 27: sessionrouter.v1.SessionService.ListGroups:input_type -> sessionrouter.v1.ListGroupsRequest
+	15, // 28: sessionrouter.v1.SessionService.SubmitRewards:input_type -> sessionrouter.v1.SubmitRewardsRequest
+	19, // 29: sessionrouter.v1.SessionService.SubscribeGroups:input_type -> sessionrouter.v1.SubscribeGroupsRequest
+	3,  // 30: sessionrouter.v1.SessionService.StartSession:output_type -> sessionrouter.v1.StartSessionResponse
+	5,  // 31: sessionrouter.v1.SessionService.StartGroup:output_type -> sessionrouter.v1.StartGroupResponse
+	7,  // 32: sessionrouter.v1.SessionService.AbortSession:output_type -> sessionrouter.v1.AbortSessionResponse
+	9,  // 33: sessionrouter.v1.SessionService.GetSession:output_type -> sessionrouter.v1.GetSessionResponse
+	11, // 34: sessionrouter.v1.SessionService.GetGroup:output_type -> sessionrouter.v1.GetGroupResponse
+	13, // 35: sessionrouter.v1.SessionService.ListGroups:output_type -> sessionrouter.v1.ListGroupsResponse
+	18, // 36: sessionrouter.v1.SessionService.SubmitRewards:output_type -> sessionrouter.v1.SubmitRewardsResponse
+	20, // 37: sessionrouter.v1.SessionService.SubscribeGroups:output_type -> sessionrouter.v1.SubscribeGroupsResponse
+	30, // [30:38] is the sub-list for method output_type
+	22, // [22:30] is the sub-list for method input_type
+	22, // [22:22] is the sub-list for extension type_name
+	22, // [22:22] is the sub-list for extension extendee
+	0,  // [0:22] is the sub-list for field type_name
 }
 
 func init() { file_sessionrouter_v1_session_service_proto_init() }

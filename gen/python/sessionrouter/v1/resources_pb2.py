@@ -16,7 +16,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n sessionrouter/v1/resources.proto\x12\x10sessionrouter.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb5\x02\n\x06Worker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\r\x12\x34\n\x06labels\x18\x04 \x03(\x0b\x32$.sessionrouter.v1.Worker.LabelsEntry\x12.\n\x06health\x18\x05 \x01(\x0e\x32\x1e.sessionrouter.v1.WorkerHealth\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x15\n\ropen_sessions\x18\x07 \x01(\r\x12\x37\n\x13last_heartbeat_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x89\x03\n\x07Session\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x11\n\tworker_id\x18\x05 \x01(\t\x12\x16\n\x0eworker_address\x18\x06 \x01(\t\x12-\n\x05state\x18\x07 \x01(\x0e\x32\x1e.sessionrouter.v1.SessionState\x12\x13\n\x0bworker_lost\x18\x08 \x01(\x08\x12\x13\n\x06reward\x18\t \x01(\x01H\x00\x88\x01\x01\x12\x39\n\x08metadata\x18\n \x03(\x0b\x32\'.sessionrouter.v1.Session.MetadataEntry\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12/\n\x0b\x63reate_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07_reward\"{\n\x0f\x45stimatorConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x03\x65ps\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04\x64\x64of\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x16\n\tbatch_std\x18\x04 \x01(\x08H\x02\x88\x01\x01\x42\x06\n\x04_epsB\x07\n\x05_ddofB\x0c\n\n_batch_std\"\x86\x01\n\x0cGroupOptions\x12\x34\n\testimator\x18\x01 \x01(\x0b\x32!.sessionrouter.v1.EstimatorConfig\x12+\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x13\n\x0bmin_members\x18\x03 \x01(\r\"\xca\x02\n\x05Group\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x12\n\ngroup_size\x18\x04 \x01(\r\x12+\n\x05state\x18\x05 \x01(\x0e\x32\x1c.sessionrouter.v1.GroupState\x12*\n\x07members\x18\x06 \x03(\x0b\x32\x19.sessionrouter.v1.Session\x12/\n\x07options\x18\x07 \x01(\x0b\x32\x1e.sessionrouter.v1.GroupOptions\x12/\n\x0b\x63reate_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\rdeadline_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06\x63ursor\x18\n \x01(\x04\"\xef\x02\n\x0bGroupResult\x12\x0e\n\x06\x63ursor\x18\x01 \x01(\x04\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12/\n\x07outcome\x18\x04 \x01(\x0e\x32\x1e.sessionrouter.v1.GroupOutcome\x12\x12\n\ngroup_size\x18\x05 \x01(\r\x12\x10\n\x08sessions\x18\x06 \x03(\t\x12\x0f\n\x07rewards\x18\x07 \x03(\x01\x12\x12\n\nadvantages\x18\x08 \x03(\x01\x12\x0c\n\x04mean\x18\t \x01(\x01\x12\x0b\n\x03std\x18\n \x01(\x01\x12\x34\n\testimator\x18\x0b \x01(\x0b\x32!.sessionrouter.v1.EstimatorConfig\x12\x12\n\ndegenerate\x18\x0c \x01(\x08\x12\x19\n\x11\x65xcluded_sessions\x18\r \x03(\t\x12\x31\n\rfinalize_time\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp*e\n\x0cWorkerHealth\x12\x1d\n\x19WORKER_HEALTH_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_HEALTH_HEALTHY\x10\x01\x12\x1b\n\x17WORKER_HEALTH_UNHEALTHY\x10\x02*|\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12SESSION_STATE_OPEN\x10\x01\x12\x1a\n\x16SESSION_STATE_REWARDED\x10\x02\x12\x19\n\x15SESSION_STATE_ABORTED\x10\x03*s\n\nGroupState\x12\x1b\n\x17GROUP_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10GROUP_STATE_OPEN\x10\x01\x12\x19\n\x15GROUP_STATE_FINALIZED\x10\x02\x12\x17\n\x13GROUP_STATE_DROPPED\x10\x03*\x7f\n\x0cGroupOutcome\x12\x1d\n\x19GROUP_OUTCOME_UNSPECIFIED\x10\x00\x12\x1a\n\x16GROUP_OUTCOME_COMPLETE\x10\x01\x12\x19\n\x15GROUP_OUTCOME_PARTIAL\x10\x02\x12\x19\n\x15GROUP_OUTCOME_DROPPED\x10\x03\x42\x63\n\x14\x64\x65v.sessionrouter.v1B\x0eResourcesProtoP\x01Z9sessionrouter.dev/gen/go/sessionrouter/v1;sessionrouterv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n sessionrouter/v1/resources.proto\x12\x10sessionrouter.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb5\x02\n\x06Worker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\r\x12\x34\n\x06labels\x18\x04 \x03(\x0b\x32$.sessionrouter.v1.Worker.LabelsEntry\x12.\n\x06health\x18\x05 \x01(\x0e\x32\x1e.sessionrouter.v1.WorkerHealth\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x15\n\ropen_sessions\x18\x07 \x01(\r\x12\x37\n\x13last_heartbeat_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa0\x03\n\x07Session\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x11\n\tworker_id\x18\x05 \x01(\t\x12\x16\n\x0eworker_address\x18\x06 \x01(\t\x12-\n\x05state\x18\x07 \x01(\x0e\x32\x1e.sessionrouter.v1.SessionState\x12\x13\n\x0bworker_lost\x18\x08 \x01(\x08\x12\x13\n\x06reward\x18\t \x01(\x01H\x00\x88\x01\x01\x12\x39\n\x08metadata\x18\n \x03(\x0b\x32\'.sessionrouter.v1.Session.MetadataEntry\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12/\n\x0b\x63reate_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rshares_worker\x18\x14 \x01(\x08\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07_reward\"{\n\x0f\x45stimatorConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x03\x65ps\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04\x64\x64of\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x16\n\tbatch_std\x18\x04 \x01(\x08H\x02\x88\x01\x01\x42\x06\n\x04_epsB\x07\n\x05_ddofB\x0c\n\n_batch_std\"\xb7\x02\n\x0cGroupOptions\x12\x34\n\testimator\x18\x01 \x01(\x0b\x32!.sessionrouter.v1.EstimatorConfig\x12+\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x13\n\x0bmin_members\x18\x03 \x01(\r\x12#\n\x16max_members_per_worker\x18\x14 \x01(\rH\x00\x88\x01\x01\x12>\n\x08selector\x18\x15 \x03(\x0b\x32,.sessionrouter.v1.GroupOptions.SelectorEntry\x1a/\n\rSelectorEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x19\n\x17_max_members_per_worker\"\xfb\x02\n\x05Group\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x12\n\ngroup_size\x18\x04 \x01(\r\x12+\n\x05state\x18\x05 \x01(\x0e\x32\x1c.sessionrouter.v1.GroupState\x12*\n\x07members\x18\x06 \x03(\x0b\x32\x19.sessionrouter.v1.Session\x12/\n\x07options\x18\x07 \x01(\x0b\x32\x1e.sessionrouter.v1.GroupOptions\x12/\n\x0b\x63reate_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\rdeadline_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06\x63ursor\x18\n \x01(\x04\x12\x18\n\x10\x64istinct_workers\x18\x14 \x01(\r\x12\x15\n\rshared_worker\x18\x15 \x01(\x08\"\xef\x02\n\x0bGroupResult\x12\x0e\n\x06\x63ursor\x18\x01 \x01(\x04\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12/\n\x07outcome\x18\x04 \x01(\x0e\x32\x1e.sessionrouter.v1.GroupOutcome\x12\x12\n\ngroup_size\x18\x05 \x01(\r\x12\x10\n\x08sessions\x18\x06 \x03(\t\x12\x0f\n\x07rewards\x18\x07 \x03(\x01\x12\x12\n\nadvantages\x18\x08 \x03(\x01\x12\x0c\n\x04mean\x18\t \x01(\x01\x12\x0b\n\x03std\x18\n \x01(\x01\x12\x34\n\testimator\x18\x0b \x01(\x0b\x32!.sessionrouter.v1.EstimatorConfig\x12\x12\n\ndegenerate\x18\x0c \x01(\x08\x12\x19\n\x11\x65xcluded_sessions\x18\r \x03(\t\x12\x31\n\rfinalize_time\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp*e\n\x0cWorkerHealth\x12\x1d\n\x19WORKER_HEALTH_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_HEALTH_HEALTHY\x10\x01\x12\x1b\n\x17WORKER_HEALTH_UNHEALTHY\x10\x02*|\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12SESSION_STATE_OPEN\x10\x01\x12\x1a\n\x16SESSION_STATE_REWARDED\x10\x02\x12\x19\n\x15SESSION_STATE_ABORTED\x10\x03*s\n\nGroupState\x12\x1b\n\x17GROUP_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10GROUP_STATE_OPEN\x10\x01\x12\x19\n\x15GROUP_STATE_FINALIZED\x10\x02\x12\x17\n\x13GROUP_STATE_DROPPED\x10\x03*\x7f\n\x0cGroupOutcome\x12\x1d\n\x19GROUP_OUTCOME_UNSPECIFIED\x10\x00\x12\x1a\n\x16GROUP_OUTCOME_COMPLETE\x10\x01\x12\x19\n\x15GROUP_OUTCOME_PARTIAL\x10\x02\x12\x19\n\x15GROUP_OUTCOME_DROPPED\x10\x03\x42\x63\n\x14\x64\x65v.sessionrouter.v1B\x0eResourcesProtoP\x01Z9sessionrouter.dev/gen/go/sessionrouter/v1;sessionrouterv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -28,28 +28,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKER_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_SESSION_METADATAENTRY']._loaded_options = None
   _globals['_SESSION_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_WORKERHEALTH']._serialized_start=1792
-  _globals['_WORKERHEALTH']._serialized_end=1893
-  _globals['_SESSIONSTATE']._serialized_start=1895
-  _globals['_SESSIONSTATE']._serialized_end=2019
-  _globals['_GROUPSTATE']._serialized_start=2021
-  _globals['_GROUPSTATE']._serialized_end=2136
-  _globals['_GROUPOUTCOME']._serialized_start=2138
-  _globals['_GROUPOUTCOME']._serialized_end=2265
+  _globals['_GROUPOPTIONS_SELECTORENTRY']._loaded_options = None
+  _globals['_GROUPOPTIONS_SELECTORENTRY']._serialized_options = b'8\001'
+  _globals['_WORKERHEALTH']._serialized_start=2041
+  _globals['_WORKERHEALTH']._serialized_end=2142
+  _globals['_SESSIONSTATE']._serialized_start=2144
+  _globals['_SESSIONSTATE']._serialized_end=2268
+  _globals['_GROUPSTATE']._serialized_start=2270
+  _globals['_GROUPSTATE']._serialized_end=2385
+  _globals['_GROUPOUTCOME']._serialized_start=2387
+  _globals['_GROUPOUTCOME']._serialized_end=2514
   _globals['_WORKER']._serialized_start=120
   _globals['_WORKER']._serialized_end=429
   _globals['_WORKER_LABELSENTRY']._serialized_start=384
   _globals['_WORKER_LABELSENTRY']._serialized_end=429
   _globals['_SESSION']._serialized_start=432
-  _globals['_SESSION']._serialized_end=825
-  _globals['_SESSION_METADATAENTRY']._serialized_start=767
-  _globals['_SESSION_METADATAENTRY']._serialized_end=814
-  _globals['_ESTIMATORCONFIG']._serialized_start=827
-  _globals['_ESTIMATORCONFIG']._serialized_end=950
-  _globals['_GROUPOPTIONS']._serialized_start=953
-  _globals['_GROUPOPTIONS']._serialized_end=1087
-  _globals['_GROUP']._serialized_start=1090
-  _globals['_GROUP']._serialized_end=1420
-  _globals['_GROUPRESULT']._serialized_start=1423
-  _globals['_GROUPRESULT']._serialized_end=1790
+  _globals['_SESSION']._serialized_end=848
+  _globals['_SESSION_METADATAENTRY']._serialized_start=790
+  _globals['_SESSION_METADATAENTRY']._serialized_end=837
+  _globals['_ESTIMATORCONFIG']._serialized_start=850
+  _globals['_ESTIMATORCONFIG']._serialized_end=973
+  _globals['_GROUPOPTIONS']._serialized_start=976
+  _globals['_GROUPOPTIONS']._serialized_end=1287
+  _globals['_GROUPOPTIONS_SELECTORENTRY']._serialized_start=1213
+  _globals['_GROUPOPTIONS_SELECTORENTRY']._serialized_end=1260
+  _globals['_GROUP']._serialized_start=1290
+  _globals['_GROUP']._serialized_end=1669
+  _globals['_GROUPRESULT']._serialized_start=1672
+  _globals['_GROUPRESULT']._serialized_end=2039
 # @@protoc_insertion_point(module_scope)

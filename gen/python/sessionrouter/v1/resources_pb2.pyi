@@ -276,6 +276,7 @@ class Session(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
+    SHARES_WORKER_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """`groups/{group_id}/sessions/{index}`."""
     group_id: _builtins.str
@@ -296,6 +297,12 @@ class Session(_message.Message):
     """The accepted reward, present when state is SESSION_STATE_REWARDED."""
     request_id: _builtins.str
     """The request id the session was started with, empty if none."""
+    shares_worker: _builtins.bool
+    """True when at least one other member of the group was placed on the same worker, before
+    or after this one (PACK places members together on purpose; SPREAD only when workers
+    are scarce). Unlike StartSessionResponse.shared_worker, which was fixed when the session
+    was placed, this says it for every member.
+    """
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Caller metadata given at start. At most 32 entries; keys at most 64 characters, values
@@ -319,10 +326,11 @@ class Session(_message.Message):
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         request_id: _builtins.str = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
+        shares_worker: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "create_time", b"create_time", "reward", b"reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "create_time", b"create_time", "group_id", b"group_id", "index", b"index", "metadata", b"metadata", "name", b"name", "request_id", b"request_id", "reward", b"reward", "state", b"state", "task_id", b"task_id", "worker_address", b"worker_address", "worker_id", b"worker_id", "worker_lost", b"worker_lost"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "create_time", b"create_time", "group_id", b"group_id", "index", b"index", "metadata", b"metadata", "name", b"name", "request_id", b"request_id", "reward", b"reward", "shares_worker", b"shares_worker", "state", b"state", "task_id", b"task_id", "worker_address", b"worker_address", "worker_id", b"worker_id", "worker_lost", b"worker_lost"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__reward: _TypeAlias = _typing.Literal["reward"]  # noqa: Y015
     _WhichOneofArgType__reward: _TypeAlias = _typing.Literal["_reward", b"_reward"]  # noqa: Y015
@@ -389,13 +397,41 @@ class GroupOptions(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class SelectorEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ESTIMATOR_FIELD_NUMBER: _builtins.int
     DEADLINE_FIELD_NUMBER: _builtins.int
     MIN_MEMBERS_FIELD_NUMBER: _builtins.int
+    MAX_MEMBERS_PER_WORKER_FIELD_NUMBER: _builtins.int
+    SELECTOR_FIELD_NUMBER: _builtins.int
     min_members: _builtins.int
     """Least number of rewarded members for a group that expires, or whose remaining members
     were aborted, to be finalized as partial instead of dropped. Zero means the server
     default (itself capped at the group size). At most group_size.
+    """
+    max_members_per_worker: _builtins.int
+    """PACK placement only: the most members of the group one worker takes, 1 to group_size.
+    Unset means the fair share `ceil(group_size * worker capacity / eligible capacity of
+    the pool)`, at least 1. Either way bounded by the worker's free slots. Zero, or a cap
+    with another placement mode, is INVALID_ARGUMENT.
     """
     @_builtins.property
     def estimator(self) -> Global___EstimatorConfig:
@@ -407,18 +443,30 @@ class GroupOptions(_message.Message):
         dropped. Unset or zero means the server default. At most 24 hours.
         """
 
+    @_builtins.property
+    def selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Only workers whose labels include every entry of this map take members of the group.
+        Empty: every worker. When no registered worker matches, starting a member is
+        UNAVAILABLE with reason NO_MATCHING_WORKER and the selector (`key=value,...`) in the
+        details. Same limits as Worker.labels.
+        """
+
     def __init__(
         self,
         *,
         estimator: Global___EstimatorConfig | None = ...,
         deadline: _duration_pb2.Duration | None = ...,
         min_members: _builtins.int = ...,
+        max_members_per_worker: _builtins.int | None = ...,
+        selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "estimator", b"estimator"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_members_per_worker", b"_max_members_per_worker", "deadline", b"deadline", "estimator", b"estimator", "max_members_per_worker", b"max_members_per_worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "estimator", b"estimator", "min_members", b"min_members"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_members_per_worker", b"_max_members_per_worker", "deadline", b"deadline", "estimator", b"estimator", "max_members_per_worker", b"max_members_per_worker", "min_members", b"min_members", "selector", b"selector"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__max_members_per_worker: _TypeAlias = _typing.Literal["max_members_per_worker"]  # noqa: Y015
+    _WhichOneofArgType__max_members_per_worker: _TypeAlias = _typing.Literal["_max_members_per_worker", b"_max_members_per_worker"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_members_per_worker) -> _WhichOneofReturnType__max_members_per_worker | None: ...
 
 Global___GroupOptions: _TypeAlias = GroupOptions  # noqa: Y015
 
@@ -438,6 +486,8 @@ class Group(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     DEADLINE_TIME_FIELD_NUMBER: _builtins.int
     CURSOR_FIELD_NUMBER: _builtins.int
+    DISTINCT_WORKERS_FIELD_NUMBER: _builtins.int
+    SHARED_WORKER_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     name: _builtins.str
     """`groups/{group_id}`."""
@@ -447,6 +497,12 @@ class Group(_message.Message):
     state: Global___GroupState.ValueType
     cursor: _builtins.int
     """Position of the group's result on the completed-group feed; 0 while the group is open."""
+    distinct_workers: _builtins.int
+    """How many distinct workers the members were placed on."""
+    shared_worker: _builtins.bool
+    """True when at least two members share a worker (each member's `shares_worker` says
+    which).
+    """
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___Session]:
         """The members that joined so far, in index order."""
@@ -472,10 +528,12 @@ class Group(_message.Message):
         create_time: _timestamp_pb2.Timestamp | None = ...,
         deadline_time: _timestamp_pb2.Timestamp | None = ...,
         cursor: _builtins.int = ...,
+        distinct_workers: _builtins.int = ...,
+        shared_worker: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "deadline_time", b"deadline_time", "options", b"options"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "cursor", b"cursor", "deadline_time", b"deadline_time", "group_id", b"group_id", "group_size", b"group_size", "members", b"members", "name", b"name", "options", b"options", "state", b"state", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "cursor", b"cursor", "deadline_time", b"deadline_time", "distinct_workers", b"distinct_workers", "group_id", b"group_id", "group_size", b"group_size", "members", b"members", "name", b"name", "options", b"options", "shared_worker", b"shared_worker", "state", b"state", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -33,7 +33,18 @@ class _PlacementModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Placeme
     second (third...) member, spread evenly, and the reply sets `shared_worker`.
     """
     PLACEMENT_MODE_STRICT: _PlacementMode.ValueType  # 2
-    """Distinct workers or nothing: RESOURCE_EXHAUSTED when a member would share a worker."""
+    """Distinct workers or nothing: RESOURCE_EXHAUSTED when a member would share a worker.
+    Through StartSession, the members already placed stay placed and the group stays open:
+    the refusal's details give `members_placed`; abort them, or let the deadline end the
+    group (PARTIAL or DROPPED). StartGroup is all or none.
+    """
+    PLACEMENT_MODE_PACK: _PlacementMode.ValueType  # 3
+    """Members together, so that a shared prompt prefix is prefilled once: the worker of the
+    group's latest member while it holds fewer than its cap (GroupOptions.
+    max_members_per_worker, or the fair share), then the least-loaded worker the group does
+    not use yet. Members after the first on a worker have `shares_worker` set. When every
+    eligible worker holds its cap: RESOURCE_EXHAUSTED with reason PACK_CAP_REACHED.
+    """
 
 class PlacementMode(_PlacementMode, metaclass=_PlacementModeEnumTypeWrapper):
     """Where the members of a group may go when workers are scarce."""
@@ -45,7 +56,18 @@ PLACEMENT_MODE_SPREAD: PlacementMode.ValueType  # 1
 second (third...) member, spread evenly, and the reply sets `shared_worker`.
 """
 PLACEMENT_MODE_STRICT: PlacementMode.ValueType  # 2
-"""Distinct workers or nothing: RESOURCE_EXHAUSTED when a member would share a worker."""
+"""Distinct workers or nothing: RESOURCE_EXHAUSTED when a member would share a worker.
+Through StartSession, the members already placed stay placed and the group stays open:
+the refusal's details give `members_placed`; abort them, or let the deadline end the
+group (PARTIAL or DROPPED). StartGroup is all or none.
+"""
+PLACEMENT_MODE_PACK: PlacementMode.ValueType  # 3
+"""Members together, so that a shared prompt prefix is prefilled once: the worker of the
+group's latest member while it holds fewer than its cap (GroupOptions.
+max_members_per_worker, or the fair share), then the least-loaded worker the group does
+not use yet. Members after the first on a worker have `shares_worker` set. When every
+eligible worker holds its cap: RESOURCE_EXHAUSTED with reason PACK_CAP_REACHED.
+"""
 Global___PlacementMode: _TypeAlias = PlacementMode  # noqa: Y015
 
 class _RewardStatus:
@@ -139,6 +161,9 @@ class StartSessionRequest(_message.Message):
     takes a second slot. Strongly recommended; unique per session attempt.
     """
     placement_mode: Global___PlacementMode.ValueType
+    """The group's placement mode, read when this call creates the group. A joiner follows
+    the group's mode: unset, or equal to it (another mode is INVALID_ARGUMENT).
+    """
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Caller metadata kept with the session; see Session.metadata for limits."""
@@ -179,6 +204,7 @@ class StartSessionResponse(_message.Message):
     GROUP_CREATED_FIELD_NUMBER: _builtins.int
     SHARED_WORKER_FIELD_NUMBER: _builtins.int
     REPLAYED_FIELD_NUMBER: _builtins.int
+    PLACEMENT_MODE_FIELD_NUMBER: _builtins.int
     group_size: _builtins.int
     """The group's size (as fixed by its first session)."""
     group_created: _builtins.bool
@@ -189,6 +215,8 @@ class StartSessionResponse(_message.Message):
     """
     replayed: _builtins.bool
     """True when this reply repeats an earlier one for the same request_id."""
+    placement_mode: Global___PlacementMode.ValueType
+    """The group's placement mode (the server default resolved)."""
     @_builtins.property
     def session(self) -> _resources_pb2.Session: ...
     def __init__(
@@ -199,10 +227,11 @@ class StartSessionResponse(_message.Message):
         group_created: _builtins.bool = ...,
         shared_worker: _builtins.bool = ...,
         replayed: _builtins.bool = ...,
+        placement_mode: Global___PlacementMode.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_created", b"group_created", "group_size", b"group_size", "replayed", b"replayed", "session", b"session", "shared_worker", b"shared_worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_created", b"group_created", "group_size", b"group_size", "placement_mode", b"placement_mode", "replayed", b"replayed", "session", b"session", "shared_worker", b"shared_worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -284,10 +313,13 @@ class StartGroupResponse(_message.Message):
     GROUP_FIELD_NUMBER: _builtins.int
     SHARED_WORKER_FIELD_NUMBER: _builtins.int
     REPLAYED_FIELD_NUMBER: _builtins.int
+    PLACEMENT_MODE_FIELD_NUMBER: _builtins.int
     shared_worker: _builtins.bool
     """True when at least two members share a worker."""
     replayed: _builtins.bool
     """True when this reply repeats an earlier one for the same request_id."""
+    placement_mode: Global___PlacementMode.ValueType
+    """The group's placement mode (the server default resolved)."""
     @_builtins.property
     def group(self) -> _resources_pb2.Group:
         """The group, with its members in index order."""
@@ -298,10 +330,11 @@ class StartGroupResponse(_message.Message):
         group: _resources_pb2.Group | None = ...,
         shared_worker: _builtins.bool = ...,
         replayed: _builtins.bool = ...,
+        placement_mode: Global___PlacementMode.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["group", b"group"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "replayed", b"replayed", "shared_worker", b"shared_worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "placement_mode", b"placement_mode", "replayed", b"replayed", "shared_worker", b"shared_worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -415,16 +448,20 @@ class GetGroupResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     GROUP_FIELD_NUMBER: _builtins.int
+    PLACEMENT_MODE_FIELD_NUMBER: _builtins.int
+    placement_mode: Global___PlacementMode.ValueType
+    """The group's placement mode (the server default resolved)."""
     @_builtins.property
     def group(self) -> _resources_pb2.Group: ...
     def __init__(
         self,
         *,
         group: _resources_pb2.Group | None = ...,
+        placement_mode: Global___PlacementMode.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["group", b"group"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "placement_mode", b"placement_mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -519,7 +556,10 @@ class SubmitRewardsRequest(_message.Message):
     """Echoed in the ack, so that a client can match acks to requests. Free for the caller."""
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___RewardEntry]:
-        """1 to 4096 entries."""
+        """1 to 4096 entries. A request with none, or more, is INVALID_ARGUMENT (reason
+        NO_ENTRIES or TOO_MANY_ENTRIES) and ends the stream after the acks of the requests
+        before it.
+        """
 
     def __init__(
         self,

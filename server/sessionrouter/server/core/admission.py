@@ -8,8 +8,10 @@ from sessionrouter.server.core.commands import OptionsSpec, StartGroupCommand, S
 from sessionrouter.server.core.errors import FailedPrecondition, InvalidArgument
 from sessionrouter.server.core.estimators import EstimatorParams, validate_params
 from sessionrouter.server.core.groups import GroupRecord, GroupSettings, GroupState
+from sessionrouter.server.core.placement import PlacementMode, PlacementPolicy
 from sessionrouter.server.core.settings import RouterSettings
 from sessionrouter.server.core.validation import (
+    LABEL_VALUE_MAX_LEN,
     MAX_DEADLINE_S,
     MAX_GROUP_SIZE,
     METADATA_VALUE_MAX_LEN,
@@ -39,10 +41,21 @@ def check_joinable(
     group_size: int,
     options: OptionsSpec,
     defaults: RouterSettings,
+    mode: PlacementMode | None = None,
 ) -> None:
     """Refuses a StartSession that would join ``group`` against the group's rules: another
-    task, another size, other options, a closed or a full group."""
+    task, another size, other options or placement mode, a closed or a full group. A joiner
+    follows the group's placement policy; it may repeat the mode, not change it."""
     gid = group.group_id
+    group_mode = group.settings.placement.mode
+    if mode is not None and mode is not group_mode:
+        raise InvalidArgument(
+            "PLACEMENT_MODE_MISMATCH",
+            f"group {gid!r} places its members in mode {group_mode.value}, the request asks"
+            f" for {mode.value}; leave placement_mode unset when joining",
+            metadata={"group_id": gid, "expected": group_mode.value, "got": mode.value},
+            field_violations=[("placement_mode", f"group {gid!r} uses {group_mode.value}")],
+        )
     if group.task_id != task_id:
         raise InvalidArgument(
             "TASK_MISMATCH",
@@ -58,7 +71,10 @@ def check_joinable(
             metadata={"group_id": gid, "expected": group.size, "got": group_size},
             field_violations=[("group_size", f"group {gid!r} has size {group.size}")],
         )
-    if not options.is_empty() and resolve_options(options, group.size, defaults) != group.settings:
+    if (
+        not options.is_empty()
+        and resolve_options(options, group.size, defaults, group_mode) != group.settings
+    ):
         raise InvalidArgument(
             "GROUP_OPTIONS_MISMATCH",
             f"group {gid!r} was created with other options; leave group_options unset when joining",
@@ -79,8 +95,11 @@ def check_joinable(
         )
 
 
-def resolve_options(spec: OptionsSpec, size: int, defaults: RouterSettings) -> GroupSettings:
-    """The settings of a new group of ``size``: the caller's options over the server's."""
+def resolve_options(
+    spec: OptionsSpec, size: int, defaults: RouterSettings, mode: PlacementMode | None = None
+) -> GroupSettings:
+    """The settings of a new group of ``size``: the caller's options over the server's;
+    ``mode`` is the request's placement mode (None: the server's)."""
     default = defaults.estimator
     name = spec.estimator or default.name
     # A server default of grpo with batch_std must not leak into a group that asks for
@@ -104,4 +123,29 @@ def resolve_options(spec: OptionsSpec, size: int, defaults: RouterSettings) -> G
     check_range("group_options.deadline", deadline_s, 0.001, MAX_DEADLINE_S)
     check_range("group_options.min_members", spec.min_members, 0, size)
     min_members = spec.min_members or min(defaults.min_members, size)
-    return GroupSettings(estimator, deadline_s, max(1, min_members))
+    placement = resolve_placement(spec, size, mode or defaults.placement_mode)
+    return GroupSettings(estimator, deadline_s, max(1, min_members), placement)
+
+
+def resolve_placement(spec: OptionsSpec, size: int, mode: PlacementMode) -> PlacementPolicy:
+    """The placement policy of a new group: a cap is 1 to ``size`` and only means something
+    for PACK; a selector is a label map with the limits of worker labels."""
+    cap = spec.max_members_per_worker
+    if cap is not None:
+        if mode is not PlacementMode.PACK:
+            raise InvalidArgument(
+                "CAP_WITHOUT_PACK",
+                f"max_members_per_worker only applies to PACK placement, not {mode.value}",
+                metadata={"mode": mode.value, "max_members_per_worker": cap},
+                field_violations=[
+                    ("group_options.max_members_per_worker", "set only with PLACEMENT_MODE_PACK")
+                ],
+            )
+        check_range("group_options.max_members_per_worker", cap, 1, size)
+    labels = check_string_map("group_options.selector", spec.selector, LABEL_VALUE_MAX_LEN)
+    return PlacementPolicy(
+        mode=mode,
+        max_members_per_worker=cap or 0,
+        selector=tuple(sorted(labels.items())),
+        replace_lost=spec.replace_lost,
+    )

@@ -19,6 +19,11 @@ class OptionsSpec:
     batch_std: bool | None = None
     deadline_s: float = 0.0
     min_members: int = 0
+    max_members_per_worker: int | None = None
+    """PACK's cap per worker; None means the fair share (0 is refused)."""
+    selector: Mapping[str, str] = field(default_factory=dict)
+    """Labels a worker must all carry to take a member; empty matches every worker."""
+    replace_lost: bool = False
 
     def is_empty(self) -> bool:
         return self == OptionsSpec()

@@ -22,6 +22,7 @@ from typing import NamedTuple, Protocol
 
 from sessionrouter.server.core.feed import GroupResult
 from sessionrouter.server.core.groups import GroupRecord, SessionRecord
+from sessionrouter.server.core.placement import policy_to_text
 
 
 class WorkerSaved(NamedTuple):
@@ -59,6 +60,8 @@ class GroupCreated(NamedTuple):
     """Unix seconds."""
     deadline_wall: float
     """Unix seconds."""
+    placement: str = ""
+    """The group's placement policy (``placement.policy_to_text``); "" is the default."""
 
 
 class SessionStarted(NamedTuple):
@@ -144,6 +147,7 @@ def group_created(group: GroupRecord) -> GroupCreated:
         settings.min_members,
         group.create_time,
         group.deadline_wall,
+        policy_to_text(settings.placement),
     )
 
 

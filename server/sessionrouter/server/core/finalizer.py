@@ -17,6 +17,7 @@ window: groups that finish while one batch is being written are reduced together
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sessionrouter.server.core.errors import Unavailable
+from sessionrouter.server.core.estimators import EstimatorParams
 from sessionrouter.server.core.events import GroupFinalized, JournalSink
 from sessionrouter.server.core.feed import GroupFeed, GroupOutcome, GroupResult
 from sessionrouter.server.core.groups import GroupRecord, SessionRecord
@@ -52,6 +54,15 @@ class FinishedGroup:
 
 
 Listener = Callable[[GroupResult, GroupRecord], None]
+
+
+def _own_params(finished: FinishedGroup) -> EstimatorParams:
+    """The estimator a finished group is reduced with: its own, except that a dropped group
+    never joins the batch of a batch-std reduction."""
+    params = finished.group.settings.estimator
+    if finished.outcome is GroupOutcome.DROPPED and params.batch_std:
+        return dataclasses.replace(params, batch_std=False)
+    return params
 
 
 class GroupFinalizer:
@@ -115,10 +126,12 @@ class GroupFinalizer:
             )
             for f in batch
         ]
+        # A dropped group's rewards are reduced only for its mean and std: never with
+        # batch_std, so they stay out of the statistics of the groups reduced with it.
         reduced = iter(
             self.reducer.reduce(
                 [
-                    (rewards, f.group.settings.estimator)
+                    (rewards, _own_params(f))
                     for f, rewards in zip(batch, rewards_of, strict=True)
                     if f.counted
                 ]

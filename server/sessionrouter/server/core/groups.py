@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from sessionrouter.server.core.errors import NotFound
 from sessionrouter.server.core.estimators import EstimatorParams
+from sessionrouter.server.core.placement import PlacementPolicy
 from sessionrouter.server.core.validation import session_name
 
 
@@ -41,6 +42,8 @@ class GroupSettings:
     """Seconds from creation to the deadline."""
     min_members: int
     """Least rewarded members for a partial group to be finalized rather than dropped."""
+    placement: PlacementPolicy = field(default_factory=PlacementPolicy)
+    """Where its members go: mode, PACK's cap, selector, replacement of lost members."""
 
 
 @dataclass(slots=True, eq=False)
@@ -102,6 +105,16 @@ class GroupRecord:
     @property
     def full(self) -> bool:
         return len(self.members) >= self.size
+
+    def shares_worker(self, session: SessionRecord) -> bool:
+        """True when another member of this group was placed on ``session``'s worker (earlier
+        or later: unlike ``SessionRecord.shared_worker``, which is fixed at placement)."""
+        return self.members_per_worker.get(session.worker_id, 0) > 1
+
+    @property
+    def distinct_workers(self) -> int:
+        """How many workers the group's members were placed on."""
+        return len(self.members_per_worker)
 
     @property
     def settled(self) -> bool:

@@ -28,6 +28,7 @@ from sessionrouter.server.core.groups import (
     RequestRecord,
     SessionState,
 )
+from sessionrouter.server.core.placement import policy_from_text
 from sessionrouter.server.core.workers import WorkerRegistry
 
 
@@ -127,6 +128,7 @@ def _restored_group(row: GroupRow, workers: WorkerRegistry, now: float, wall: fl
             EstimatorParams(c.estimator, c.eps, c.ddof, c.batch_std),
             c.deadline_s,
             c.min_members,
+            policy_from_text(c.placement),
         ),
         create_time=c.create_time,
         deadline=now + (c.deadline_wall - wall),
@@ -136,11 +138,12 @@ def _restored_group(row: GroupRow, workers: WorkerRegistry, now: float, wall: fl
         cursor=row.result.cursor if row.result is not None else 0,
     )
     group.members = row.members
-    if group.state is not GroupState.OPEN:
-        return group  # final: only lookups will read it
     per_worker = group.members_per_worker
     for session in group.members:
         per_worker[session.worker_id] = per_worker.get(session.worker_id, 0) + 1
+    if group.state is not GroupState.OPEN:
+        return group  # final: only lookups will read it
+    for session in group.members:
         if session.state is SessionState.REWARDED:
             group.rewarded += 1
         elif session.state is SessionState.ABORTED:

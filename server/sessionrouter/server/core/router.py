@@ -64,7 +64,7 @@ from sessionrouter.server.core.groups import (
     SessionRecord,
     SessionState,
 )
-from sessionrouter.server.core.placement import PlacementMode, choose_worker
+from sessionrouter.server.core.placement import choose_worker
 from sessionrouter.server.core.recovery import RestoreSummary, rebuild
 from sessionrouter.server.core.rewards import ACCEPTED, RewardOutcome, RewardStatus
 from sessionrouter.server.core.settings import RouterSettings, RouterSnapshot, RouterStats
@@ -258,22 +258,26 @@ class SessionRouter:
             if replay is not None:
                 replayed = self.groups.get(replay.group_id)
                 assert replay.index is not None
-                return StartedSession(replayed.members[replay.index], replayed, False, True)
+                # Member 0 of a group is placed by the StartSession that created it (a
+                # StartGroup request records no index), so the first reply said created.
+                created_it = replay.index == 0
+                return StartedSession(replayed.members[replay.index], replayed, created_it, True)
         self._check_accepting()
-        mode = cmd.placement_mode or self.settings.placement_mode
         existing = self.groups.find(cmd.group_id) if cmd.group_id is not None else None
         if existing is not None:
             group = existing
-            check_joinable(group, task_id, cmd.group_size, cmd.options, self.settings)
-            session = self._place_member(group, request_id, metadata, mode)
+            check_joinable(
+                group, task_id, cmd.group_size, cmd.options, self.settings, cmd.placement_mode
+            )
+            session = self._place_member(group, request_id, metadata)
             created = False
         else:
             size = cmd.group_size or 1
-            settings = resolve_options(cmd.options, size, self.settings)
+            settings = resolve_options(cmd.options, size, self.settings, cmd.placement_mode)
             group_id = cmd.group_id or uuid.uuid4().hex
             group = self._new_group(group_id, task_id, size, settings)
             try:
-                session = self._place_member(group, request_id, metadata, mode)
+                session = self._place_member(group, request_id, metadata)
             except BaseException:
                 self._forget_empty_group(group)
                 raise
@@ -308,12 +312,11 @@ class SessionRouter:
                 f"group {cmd.group_id!r} already exists; StartSession joins an existing group",
                 metadata={"group_id": cmd.group_id},
             )
-        settings = resolve_options(cmd.options, cmd.group_size, self.settings)
+        settings = resolve_options(cmd.options, cmd.group_size, self.settings, cmd.placement_mode)
         group = self._new_group(cmd.group_id or uuid.uuid4().hex, task_id, cmd.group_size, settings)
-        mode = cmd.placement_mode or self.settings.placement_mode
         try:
             for _ in range(cmd.group_size):
-                self._place_member(group, request_id, metadata, mode)
+                self._place_member(group, request_id, metadata)
         except BaseException:
             self._forget_empty_group(group)
             raise
@@ -388,13 +391,14 @@ class SessionRouter:
         group: GroupRecord,
         request_id: str,
         metadata: dict[str, str],
-        mode: PlacementMode,
     ) -> SessionRecord:
         choice = choose_worker(
             self.workers,
             group.group_id,
+            group.size,
             group.members_per_worker,
-            mode,
+            group.members[-1].worker_id if group.members else "",
+            group.settings.placement,
             self.settings.retry_after_s,
         )
         worker = choice.worker
@@ -429,6 +433,9 @@ class SessionRouter:
     def get_group(self, group_id: str) -> GroupRecord:
         check_id("group_id", group_id)
         return self.groups.get(group_id)
+
+    def find_group(self, group_id: str) -> GroupRecord | None:
+        return self.groups.find(group_id)
 
     def list_groups(
         self, limit: int, after_seq: int, state: GroupState | None

@@ -12,8 +12,8 @@ makes the order on the wire the one the contract promises:
 - the flow stops reading when the client does not read its responses
   (``STREAM_BACKLOG_LIMIT``) or the journal falls behind (``MAX_UNACKED_REQUESTS``), instead of
   queueing without bound;
-- a request with more than ``MAX_ENTRIES_PER_REQUEST`` entries is refused (InvalidArgument),
-  ending the stream after the acks of the requests before it.
+- a request with no entries, or more than ``MAX_ENTRIES_PER_REQUEST``, is refused
+  (InvalidArgument), ending the stream after the acks of the requests before it.
 
 A request does not wait for its own durability before the next one is read: the flow takes
 the durability point at once and hands it, with the ack, to a sender that acks in request
@@ -90,7 +90,15 @@ class StreamOrigin(NamedTuple):
 
 
 def check_entries(count: int) -> None:
-    """InvalidArgument TOO_MANY_ENTRIES for a request of more than the allowed entries."""
+    """InvalidArgument NO_ENTRIES for a request without entries (the contract says 1 to
+    ``MAX_ENTRIES_PER_REQUEST``), TOO_MANY_ENTRIES for one of more than the allowed."""
+    if count == 0:
+        raise InvalidArgument(
+            "NO_ENTRIES",
+            f"a request carries no entries; send 1 to {MAX_ENTRIES_PER_REQUEST}",
+            metadata={"entries": 0, "limit": MAX_ENTRIES_PER_REQUEST},
+            field_violations=[("entries", f"at least 1, at most {MAX_ENTRIES_PER_REQUEST}")],
+        )
     if count > MAX_ENTRIES_PER_REQUEST:
         raise InvalidArgument(
             "TOO_MANY_ENTRIES",

@@ -7,6 +7,14 @@ worker costs O(log W) amortised instead of a scan over all W workers on every St
 every change of a worker bumps its version and pushes a fresh heap entry; entries whose version
 is stale, or whose worker is no longer eligible, are discarded when they reach the top. The heap
 is rebuilt when stale entries outnumber live ones, which bounds its size to O(W).
+
+Groups may restrict placement to workers carrying some labels (a *selector*). Each distinct
+selector in use gets its own ``WorkerPool``: the same lazy heap, plus the count and capacity
+of its eligible workers, built by one O(W) scan on first use and kept in step with every
+change afterwards (a change visits each pool once, O(P log W) for P pools; at most
+``MAX_POOLS`` selectors are kept, the least recently used one is dropped beyond that and
+rebuilt when needed again). So a selector that matches thousands of workers still finds its
+least-loaded eligible worker in O(log W), never by a scan.
 """
 
 from __future__ import annotations
@@ -25,6 +33,12 @@ from sessionrouter.server.core.validation import (
     check_string_map,
     check_text,
 )
+
+Selector = tuple[tuple[str, str], ...]
+"""Sorted (label, value) pairs a worker must all carry; () matches every worker."""
+
+MAX_POOLS = 64
+"""Distinct selectors whose pools are kept (the all-workers pool is always kept)."""
 
 SessionKey = tuple[str, int]
 """(group_id, index): how the registry refers to a session placed on a worker."""
@@ -66,14 +80,46 @@ _HeapEntry = tuple[float, int, str, int]
 """(load, open sessions, worker_id, version): ordered least-loaded first, then by id."""
 
 
+def matches(labels: Mapping[str, str], selector: Selector) -> bool:
+    """True when ``labels`` carry every (label, value) pair of ``selector``."""
+    return all(labels.get(key) == value for key, value in selector)
+
+
+def make_selector(labels: Mapping[str, str]) -> Selector:
+    """The selector of a label map: its pairs, sorted (so equal maps give equal keys)."""
+    return tuple(sorted(labels.items()))
+
+
+def selector_text(selector: Selector) -> str:
+    """``key=value,key=value``: how errors and logs show a selector."""
+    return ",".join(f"{k}={v}" for k, v in selector)
+
+
+def _entry(w: WorkerRecord) -> _HeapEntry:
+    return (w.load, len(w.open_sessions), w.worker_id, w.version)
+
+
+@dataclass(slots=True, eq=False)
+class WorkerPool:
+    """The eligible workers matching one selector: a lazy least-loaded heap, their count and
+    their summed capacity (slots, for PACK's fair share)."""
+
+    selector: Selector
+    heap: list[_HeapEntry] = field(default_factory=list)
+    eligible_count: int = 0
+    eligible_capacity: int = 0
+    last_use: int = 0
+
+
 class WorkerRegistry:
     """Registered workers, their health, drain state and open sessions."""
 
     def __init__(self, heartbeat_timeout_s: float) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._workers: dict[str, WorkerRecord] = {}
-        self._heap: list[_HeapEntry] = []
-        self._eligible_count = 0
+        self._all = WorkerPool(())
+        self._pools: dict[Selector, WorkerPool] = {(): self._all}
+        self._uses = 0
         self.on_worker_lost: Callable[[WorkerRecord, set[SessionKey]], None] | None = None
         """Called with the worker and its open sessions when it turns unhealthy or leaves."""
 
@@ -109,7 +155,36 @@ class WorkerRegistry:
     @property
     def eligible_count(self) -> int:
         """How many workers could take a session now."""
-        return self._eligible_count
+        return self._all.eligible_count
+
+    @property
+    def pools(self) -> int:
+        """How many selector pools are kept (the all-workers pool included)."""
+        return len(self._pools)
+
+    def pool(self, selector: Selector) -> WorkerPool:
+        """The pool of ``selector``, built by one scan of the workers on first use."""
+        pool = self._pools.get(selector)
+        if pool is None:
+            if len(self._pools) > MAX_POOLS:
+                oldest = min((p for p in self._pools.values() if p.selector), key=_last_use)
+                del self._pools[oldest.selector]
+            pool = WorkerPool(selector)
+            for w in self._workers.values():
+                if w.eligible and matches(w.labels, selector):
+                    pool.heap.append(_entry(w))
+                    pool.eligible_count += 1
+                    pool.eligible_capacity += w.capacity
+            heapq.heapify(pool.heap)
+            self._pools[selector] = pool
+        self._uses += 1
+        pool.last_use = self._uses
+        return pool
+
+    def any_matching(self, selector: Selector) -> bool:
+        """True when some registered worker (in any state) carries the selector's labels.
+        O(W): asked only when a placement failed."""
+        return any(matches(w.labels, selector) for w in self._workers.values())
 
     # -- changes ---------------------------------------------------------------------------
 
@@ -144,16 +219,18 @@ class WorkerRegistry:
         if worker is None:
             worker = WorkerRecord(worker_id, address, capacity, labels)
             self._workers[worker_id] = worker
-            was_eligible = False
+            self._changed(worker, False, labels, capacity)
         else:
             was_eligible = worker.eligible
+            old_labels, old_capacity = worker.labels, worker.capacity
             worker.capacity = capacity
             worker.labels = labels
+            worker.healthy = True
+            self._changed(worker, was_eligible, old_labels, old_capacity)
         worker.healthy = True
         worker.awaiting_heartbeat = False
         worker.last_heartbeat = now
         worker.last_heartbeat_wall = now_wall
-        self._changed(worker, was_eligible)
         return worker, created
 
     def restore(
@@ -210,7 +287,10 @@ class WorkerRegistry:
         """Removes a worker; returns it and how many open sessions it lost."""
         worker = self.get(worker_id)
         if worker.eligible:
-            self._eligible_count -= 1
+            for pool in self._pools.values():
+                if matches(worker.labels, pool.selector):
+                    pool.eligible_count -= 1
+                    pool.eligible_capacity -= worker.capacity
         del self._workers[worker_id]
         lost = set(worker.open_sessions)
         if lost and self.on_worker_lost is not None:
@@ -260,12 +340,13 @@ class WorkerRegistry:
 
     # -- least-loaded index ----------------------------------------------------------------
 
-    def least_loaded(self, exclude: Container[str]) -> WorkerRecord | None:
-        """The eligible worker with the lowest load whose id is not in ``exclude``.
+    def least_loaded(self, exclude: Container[str], selector: Selector = ()) -> WorkerRecord | None:
+        """The eligible worker matching ``selector`` with the lowest load whose id is not in
+        ``exclude``.
 
         Cost: O((k + s) log W) where k is the number of excluded workers met on the way
         (at most the group's size) and s the stale entries discarded."""
-        heap = self._heap
+        heap = self.pool(selector).heap
         skipped: list[_HeapEntry] = []
         found: WorkerRecord | None = None
         while heap:
@@ -283,22 +364,45 @@ class WorkerRegistry:
             heapq.heappush(heap, entry)
         return found
 
-    def _changed(self, worker: WorkerRecord, was_eligible: bool) -> None:
+    def _changed(
+        self,
+        worker: WorkerRecord,
+        was_eligible: bool,
+        old_labels: Mapping[str, str] | None = None,
+        old_capacity: int = 0,
+    ) -> None:
+        """Keeps every pool in step with a change of ``worker``; ``old_labels`` and
+        ``old_capacity`` are given when a re-registration may have changed them."""
         worker.version += 1
         eligible = worker.eligible
-        self._eligible_count += int(eligible) - int(was_eligible)
-        if eligible:
-            heapq.heappush(
-                self._heap,
-                (worker.load, len(worker.open_sessions), worker.worker_id, worker.version),
-            )
-        if len(self._heap) > 4 * len(self._workers) + 64:
-            self._rebuild()
+        labels = worker.labels
+        before_labels = labels if old_labels is None else old_labels
+        before_capacity = old_capacity or worker.capacity
+        entry = _entry(worker) if eligible else None
+        limit = 4 * len(self._workers) + 64
+        for pool in self._pools.values():
+            selector = pool.selector
+            was_in = was_eligible and matches(before_labels, selector)
+            is_in = eligible and matches(labels, selector)
+            if was_in:
+                pool.eligible_count -= 1
+                pool.eligible_capacity -= before_capacity
+            if is_in:
+                pool.eligible_count += 1
+                pool.eligible_capacity += worker.capacity
+                assert entry is not None
+                heapq.heappush(pool.heap, entry)
+                if len(pool.heap) > limit:
+                    self._rebuild(pool)
 
-    def _rebuild(self) -> None:
-        self._heap = [
-            (w.load, len(w.open_sessions), w.worker_id, w.version)
+    def _rebuild(self, pool: WorkerPool) -> None:
+        pool.heap = [
+            _entry(w)
             for w in self._workers.values()
-            if w.eligible
+            if w.eligible and matches(w.labels, pool.selector)
         ]
-        heapq.heapify(self._heap)
+        heapq.heapify(pool.heap)
+
+
+def _last_use(pool: WorkerPool) -> int:
+    return pool.last_use

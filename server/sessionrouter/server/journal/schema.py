@@ -7,7 +7,7 @@ column is added in one place. Any change of a table, of a column's meaning or of
 row format (``logrows``) bumps ``SCHEMA_VERSION``: a journal of another version is refused at
 start-up, never silently reset or reinterpreted.
 
-Tables (version 1)::
+Tables (version 2)::
 
     meta(key, value)            schema_version, created, last_cursor, next_seq,
                                 compacted_cursor, events
@@ -31,8 +31,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 1
-"""Bumped on any change of the tables, of what a column means, or of the log-row format."""
+SCHEMA_VERSION = 2
+"""Bumped on any change of the tables, of what a column means, or of the log-row format.
+
+Version 2 added ``groups.placement`` (the group's placement policy). A version 1 journal is
+refused at start-up with a message naming its file: it holds no placement policies, and its
+groups are better finished by the router version that wrote it than guessed."""
 APPLICATION_ID = 0x53524A31
 """``PRAGMA application_id`` of a journal ("SRJ1"): tells our file from any other SQLite file."""
 JOURNAL_FILE = "journal.db"
@@ -116,6 +120,7 @@ GROUP_CREATED_COLUMNS = (
     "min_members",
     "create_time",
     "deadline_wall",
+    "placement",
 )
 """The leading columns of ``groups``: the fields of ``core.events.GroupCreated``, in order
 (a unit test holds the two together)."""
@@ -149,6 +154,7 @@ GROUPS = Table(
         "min_members INTEGER NOT NULL",
         "create_time REAL NOT NULL",
         "deadline_wall REAL NOT NULL",
+        "placement TEXT NOT NULL",  # JSON of the placement policy; "" for the default
         "state TEXT NOT NULL",  # open, finalized or dropped
         "cursor INTEGER NOT NULL",  # 0 while open
         "outcome TEXT",

@@ -181,6 +181,7 @@ public final class InteropClient {
           "sessions " + onWorker.get(s.getWorkerId()) + " and " + s.getName()
               + " share worker \"" + s.getWorkerId() + "\"");
       check(!reply.getSharedWorker(), "session " + s.getName() + ": shared_worker set");
+      check(!s.getSharesWorker(), "session " + s.getName() + ": shares_worker set");
       members[s.getIndex()] = s;
       onWorker.put(s.getWorkerId(), s.getName());
       created += reply.getGroupCreated() ? 1 : 0;
