@@ -100,6 +100,7 @@ def session_from_proto(msg: resources_pb2.Session) -> types.Session:
         request_id=msg.request_id,
         create_time=_time_from_proto(msg.create_time, msg.HasField("create_time")),
         shares_worker=msg.shares_worker,
+        filter_metric=msg.filter_metric if msg.HasField("filter_metric") else None,
     )
 
 
@@ -183,6 +184,7 @@ def group_result_from_proto(msg: resources_pb2.GroupResult) -> types.GroupResult
         degenerate=msg.degenerate,
         excluded_sessions=tuple(msg.excluded_sessions),
         finalize_time=_time_from_proto(msg.finalize_time, msg.HasField("finalize_time")),
+        filter_metrics=tuple(msg.filter_metrics),
     )
 
 
@@ -241,8 +243,13 @@ def start_group_result_from_proto(
     )
 
 
-def reward_entry_to_proto(session: str, reward: float) -> session_service_pb2.RewardEntry:
-    return session_service_pb2.RewardEntry(session=session, reward=reward)
+def reward_entry_to_proto(
+    session: str, reward: float, filter_metric: float | None = None
+) -> session_service_pb2.RewardEntry:
+    entry = session_service_pb2.RewardEntry(session=session, reward=reward)
+    if filter_metric is not None:
+        entry.filter_metric = filter_metric
+    return entry
 
 
 def reward_result_from_proto(msg: session_service_pb2.RewardResult) -> types.RewardResult:
@@ -303,6 +310,8 @@ def session_to_proto(value: types.Session) -> resources_pb2.Session:
         metadata=dict(value.metadata),
         request_id=value.request_id,
         create_time=_time_to_proto(value.create_time),
+        shares_worker=value.shares_worker,
+        filter_metric=value.filter_metric,
     )
 
 
@@ -318,6 +327,8 @@ def group_to_proto(value: types.Group) -> resources_pb2.Group:
         create_time=_time_to_proto(value.create_time),
         deadline_time=_time_to_proto(value.deadline_time),
         cursor=value.cursor,
+        distinct_workers=value.distinct_workers,
+        shared_worker=value.shared_worker,
     )
 
 
@@ -337,6 +348,7 @@ def group_result_to_proto(value: types.GroupResult) -> resources_pb2.GroupResult
         degenerate=value.degenerate,
         excluded_sessions=value.excluded_sessions,
         finalize_time=_time_to_proto(value.finalize_time),
+        filter_metrics=value.filter_metrics,
     )
 
 

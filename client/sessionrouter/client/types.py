@@ -176,6 +176,8 @@ class Session:
     create_time: datetime | None = None
     shares_worker: bool = False
     """True when another member of the group runs on the same worker (before or after)."""
+    filter_metric: float | None = None
+    """The raw task outcome given with the reward, if any."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +291,9 @@ class GroupResult:
     excluded_sessions: tuple[str, ...] = ()
     """Members that do not count: aborted, or without a reward when the group ended."""
     finalize_time: datetime | None = None
+    filter_metrics: tuple[float, ...] = ()
+    """Aligned with ``sessions`` when every counted member's reward carried a filter metric
+    (``degenerate`` then means those are all equal); else empty."""
 
     @property
     def rewards_array(self) -> npt.NDArray[np.float64]:

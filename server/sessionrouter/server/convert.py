@@ -90,6 +90,8 @@ def session_to_proto(s: groups.SessionRecord, group: groups.GroupRecord | None) 
     )
     if s.reward is not None:
         msg.reward = s.reward
+    if s.filter_metric is not None:
+        msg.filter_metric = s.filter_metric
     return msg
 
 
@@ -147,6 +149,7 @@ def result_to_proto(r: feed.GroupResult) -> pb.GroupResult:
         degenerate=r.degenerate,
         excluded_sessions=r.excluded_sessions,
         finalize_time=timestamp(r.finalize_time),
+        filter_metrics=r.filter_metrics.tolist(),
     )
 
 

@@ -66,7 +66,15 @@ async def _reward_requests(
 ) -> AsyncIterator[tuple[int, Entries]]:
     """The requests of a SubmitRewards stream as the core's (sequence, entries) pairs."""
     async for request in requests:
-        yield request.sequence, [(e.session, e.reward) for e in request.entries]
+        yield (
+            request.sequence,
+            [
+                (e.session, e.reward, e.filter_metric)
+                if e.HasField("filter_metric")
+                else (e.session, e.reward)
+                for e in request.entries
+            ],
+        )
 
 
 def _pack_stream_events(events: list[StreamEvent]) -> list[spb.SubmitRewardsResponse]:
@@ -320,8 +328,18 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
                 if not await feed.wait_beyond(cursor):
                     await _abort(context, self._draining_error("group feed", cursor))
                 continue
-            yield spb.SubscribeGroupsResponse(groups=[convert.result_to_proto(r) for r in batch])
             cursor = batch[-1].cursor
+            if request.skip_degenerate:
+                kept = [r for r in batch if not r.degenerate]
+                yield spb.SubscribeGroupsResponse(
+                    groups=[convert.result_to_proto(r) for r in kept],
+                    skipped_degenerate=len(batch) - len(kept),
+                    last_cursor=cursor,
+                )
+            else:
+                yield spb.SubscribeGroupsResponse(
+                    groups=[convert.result_to_proto(r) for r in batch], last_cursor=cursor
+                )
 
     def drain(self) -> None:
         """Ends the intake of every SubmitRewards stream, for a graceful shutdown.

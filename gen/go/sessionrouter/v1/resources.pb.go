@@ -407,7 +407,9 @@ type Session struct {
 	// or after this one (PACK places members together on purpose; SPREAD only when workers
 	// are scarce). Unlike StartSessionResponse.shared_worker, which was fixed when the session
 	// was placed, this says it for every member.
-	SharesWorker  bool `protobuf:"varint,20,opt,name=shares_worker,json=sharesWorker,proto3" json:"shares_worker,omitempty"`
+	SharesWorker bool `protobuf:"varint,20,opt,name=shares_worker,json=sharesWorker,proto3" json:"shares_worker,omitempty"`
+	// The filter metric given with the accepted reward (RewardEntry.filter_metric), if any.
+	FilterMetric  *float64 `protobuf:"fixed64,21,opt,name=filter_metric,json=filterMetric,proto3,oneof" json:"filter_metric,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -531,6 +533,13 @@ func (x *Session) GetSharesWorker() bool {
 		return x.SharesWorker
 	}
 	return false
+}
+
+func (x *Session) GetFilterMetric() float64 {
+	if x != nil && x.FilterMetric != nil {
+		return *x.FilterMetric
+	}
+	return 0
 }
 
 // How the advantages of a group are computed. Every field is optional: an unset field takes
@@ -865,14 +874,20 @@ type GroupResult struct {
 	Std  float64 `protobuf:"fixed64,10,opt,name=std,proto3" json:"std,omitempty"`
 	// The estimator that produced the advantages, with every parameter filled in.
 	Estimator *EstimatorConfig `protobuf:"bytes,11,opt,name=estimator,proto3" json:"estimator,omitempty"`
-	// True when the advantages carry no signal: a single member, or all rewards equal. The
-	// advantages are then exactly zero, so trainers can filter such groups (as DAPO does).
+	// True when the group carries no learning signal: a single member, or all rewards equal
+	// (the advantages are then exactly zero). When every counted member gave a filter metric
+	// (`filter_metrics` is set), it is computed from those instead: all equal, for example
+	// every sample passed or every one failed, as DAPO's dynamic sampling filters, even when
+	// shaped rewards differ.
 	Degenerate bool `protobuf:"varint,12,opt,name=degenerate,proto3" json:"degenerate,omitempty"`
 	// Members that do not count: aborted, or without a reward when the group ended.
 	ExcludedSessions []string               `protobuf:"bytes,13,rep,name=excluded_sessions,json=excludedSessions,proto3" json:"excluded_sessions,omitempty"`
 	FinalizeTime     *timestamppb.Timestamp `protobuf:"bytes,14,opt,name=finalize_time,json=finalizeTime,proto3" json:"finalize_time,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// The filter metrics of the counted members, aligned with `sessions`, float64; empty
+	// unless every counted member's reward carried one.
+	FilterMetrics []float64 `protobuf:"fixed64,20,rep,packed,name=filter_metrics,json=filterMetrics,proto3" json:"filter_metrics,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GroupResult) Reset() {
@@ -1003,6 +1018,13 @@ func (x *GroupResult) GetFinalizeTime() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *GroupResult) GetFilterMetrics() []float64 {
+	if x != nil {
+		return x.FilterMetrics
+	}
+	return nil
+}
+
 var File_sessionrouter_v1_resources_proto protoreflect.FileDescriptor
 
 const file_sessionrouter_v1_resources_proto_rawDesc = "" +
@@ -1019,7 +1041,7 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\x13last_heartbeat_time\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\x11lastHeartbeatTime\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xad\x04\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xe9\x04\n" +
 	"\aSession\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x19\n" +
 	"\bgroup_id\x18\x02 \x01(\tR\agroupId\x12\x14\n" +
@@ -1037,11 +1059,13 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"request_id\x18\v \x01(\tR\trequestId\x12;\n" +
 	"\vcreate_time\x18\f \x01(\v2\x1a.google.protobuf.TimestampR\n" +
 	"createTime\x12#\n" +
-	"\rshares_worker\x18\x14 \x01(\bR\fsharesWorker\x1a;\n" +
+	"\rshares_worker\x18\x14 \x01(\bR\fsharesWorker\x12(\n" +
+	"\rfilter_metric\x18\x15 \x01(\x01H\x01R\ffilterMetric\x88\x01\x01\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\t\n" +
-	"\a_reward\"\x96\x01\n" +
+	"\a_rewardB\x10\n" +
+	"\x0e_filter_metric\"\x96\x01\n" +
 	"\x0fEstimatorConfig\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x15\n" +
 	"\x03eps\x18\x02 \x01(\x01H\x00R\x03eps\x88\x01\x01\x12\x17\n" +
@@ -1077,7 +1101,7 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\x06cursor\x18\n" +
 	" \x01(\x04R\x06cursor\x12)\n" +
 	"\x10distinct_workers\x18\x14 \x01(\rR\x0fdistinctWorkers\x12#\n" +
-	"\rshared_worker\x18\x15 \x01(\bR\fsharedWorker\"\xfd\x03\n" +
+	"\rshared_worker\x18\x15 \x01(\bR\fsharedWorker\"\xa4\x04\n" +
 	"\vGroupResult\x12\x16\n" +
 	"\x06cursor\x18\x01 \x01(\x04R\x06cursor\x12\x19\n" +
 	"\bgroup_id\x18\x02 \x01(\tR\agroupId\x12\x17\n" +
@@ -1098,7 +1122,8 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"degenerate\x18\f \x01(\bR\n" +
 	"degenerate\x12+\n" +
 	"\x11excluded_sessions\x18\r \x03(\tR\x10excludedSessions\x12?\n" +
-	"\rfinalize_time\x18\x0e \x01(\v2\x1a.google.protobuf.TimestampR\ffinalizeTime*e\n" +
+	"\rfinalize_time\x18\x0e \x01(\v2\x1a.google.protobuf.TimestampR\ffinalizeTime\x12%\n" +
+	"\x0efilter_metrics\x18\x14 \x03(\x01R\rfilterMetrics*e\n" +
 	"\fWorkerHealth\x12\x1d\n" +
 	"\x19WORKER_HEALTH_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15WORKER_HEALTH_HEALTHY\x10\x01\x12\x1b\n" +

@@ -932,7 +932,12 @@ type RewardEntry struct {
 	// `groups/{group_id}/sessions/{index}`.
 	Session string `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
 	// Must be finite (no NaN, no infinity).
-	Reward        float64 `protobuf:"fixed64,2,opt,name=reward,proto3" json:"reward,omitempty"`
+	Reward float64 `protobuf:"fixed64,2,opt,name=reward,proto3" json:"reward,omitempty"`
+	// Optional raw task outcome beside the shaped reward (1 for pass and 0 for fail, say),
+	// used only to decide whether the group is degenerate (GroupResult.degenerate). Must be
+	// finite. A resubmission must repeat it: another metric with the same reward is a
+	// CONFLICT.
+	FilterMetric  *float64 `protobuf:"fixed64,20,opt,name=filter_metric,json=filterMetric,proto3,oneof" json:"filter_metric,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -977,6 +982,13 @@ func (x *RewardEntry) GetSession() string {
 func (x *RewardEntry) GetReward() float64 {
 	if x != nil {
 		return x.Reward
+	}
+	return 0
+}
+
+func (x *RewardEntry) GetFilterMetric() float64 {
+	if x != nil && x.FilterMetric != nil {
+		return *x.FilterMetric
 	}
 	return 0
 }
@@ -1211,9 +1223,12 @@ type SubscribeGroupsRequest struct {
 	// Skip the retained backlog and deliver only groups finalized from now on (after_cursor is
 	// then ignored). On reconnect, resume with the cursor of the response header or of the last
 	// group received, not with from_latest again.
-	FromLatest    bool `protobuf:"varint,2,opt,name=from_latest,json=fromLatest,proto3" json:"from_latest,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	FromLatest bool `protobuf:"varint,2,opt,name=from_latest,json=fromLatest,proto3" json:"from_latest,omitempty"`
+	// Leave out degenerate groups (GroupResult.degenerate): they are counted in
+	// `skipped_degenerate` instead, and `last_cursor` moves past them.
+	SkipDegenerate bool `protobuf:"varint,20,opt,name=skip_degenerate,json=skipDegenerate,proto3" json:"skip_degenerate,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *SubscribeGroupsRequest) Reset() {
@@ -1260,11 +1275,24 @@ func (x *SubscribeGroupsRequest) GetFromLatest() bool {
 	return false
 }
 
+func (x *SubscribeGroupsRequest) GetSkipDegenerate() bool {
+	if x != nil {
+		return x.SkipDegenerate
+	}
+	return false
+}
+
 type SubscribeGroupsResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// One or more groups, in cursor order; together the messages of a stream hold every
-	// group with a cursor above the requested one exactly once.
-	Groups        []*GroupResult `protobuf:"bytes,1,rep,name=groups,proto3" json:"groups,omitempty"`
+	// group with a cursor above the requested one exactly once (minus the skipped ones).
+	// Empty when every group of this message was skipped.
+	Groups []*GroupResult `protobuf:"bytes,1,rep,name=groups,proto3" json:"groups,omitempty"`
+	// How many degenerate groups this message covers but leaves out (skip_degenerate).
+	SkippedDegenerate uint32 `protobuf:"varint,20,opt,name=skipped_degenerate,json=skippedDegenerate,proto3" json:"skipped_degenerate,omitempty"`
+	// The cursor of the last group this message covers, skipped ones included: resume after
+	// it.
+	LastCursor    uint64 `protobuf:"varint,21,opt,name=last_cursor,json=lastCursor,proto3" json:"last_cursor,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1304,6 +1332,20 @@ func (x *SubscribeGroupsResponse) GetGroups() []*GroupResult {
 		return x.Groups
 	}
 	return nil
+}
+
+func (x *SubscribeGroupsResponse) GetSkippedDegenerate() uint32 {
+	if x != nil {
+		return x.SkippedDegenerate
+	}
+	return 0
+}
+
+func (x *SubscribeGroupsResponse) GetLastCursor() uint64 {
+	if x != nil {
+		return x.LastCursor
+	}
+	return 0
 }
 
 var File_sessionrouter_v1_session_service_proto protoreflect.FileDescriptor
@@ -1373,10 +1415,12 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"\x05state\x18\x03 \x01(\x0e2\x1c.sessionrouter.v1.GroupStateR\x05state\"m\n" +
 	"\x12ListGroupsResponse\x12/\n" +
 	"\x06groups\x18\x01 \x03(\v2\x17.sessionrouter.v1.GroupR\x06groups\x12&\n" +
-	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"?\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"{\n" +
 	"\vRewardEntry\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x16\n" +
-	"\x06reward\x18\x02 \x01(\x01R\x06reward\"k\n" +
+	"\x06reward\x18\x02 \x01(\x01R\x06reward\x12(\n" +
+	"\rfilter_metric\x18\x14 \x01(\x01H\x00R\ffilterMetric\x88\x01\x01B\x10\n" +
+	"\x0e_filter_metric\"k\n" +
 	"\x14SubmitRewardsRequest\x127\n" +
 	"\aentries\x18\x01 \x03(\v2\x1d.sessionrouter.v1.RewardEntryR\aentries\x12\x1a\n" +
 	"\bsequence\x18\x02 \x01(\x04R\bsequence\"^\n" +
@@ -1388,13 +1432,17 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"\aresults\x18\x02 \x03(\v2\x1e.sessionrouter.v1.RewardResultR\aresults\"\x8a\x01\n" +
 	"\x15SubmitRewardsResponse\x12-\n" +
 	"\x03ack\x18\x01 \x01(\v2\x1b.sessionrouter.v1.RewardAckR\x03ack\x12B\n" +
-	"\rgroup_results\x18\x02 \x03(\v2\x1d.sessionrouter.v1.GroupResultR\fgroupResults\"\\\n" +
+	"\rgroup_results\x18\x02 \x03(\v2\x1d.sessionrouter.v1.GroupResultR\fgroupResults\"\x85\x01\n" +
 	"\x16SubscribeGroupsRequest\x12!\n" +
 	"\fafter_cursor\x18\x01 \x01(\x04R\vafterCursor\x12\x1f\n" +
 	"\vfrom_latest\x18\x02 \x01(\bR\n" +
-	"fromLatest\"P\n" +
+	"fromLatest\x12'\n" +
+	"\x0fskip_degenerate\x18\x14 \x01(\bR\x0eskipDegenerate\"\xa0\x01\n" +
 	"\x17SubscribeGroupsResponse\x125\n" +
-	"\x06groups\x18\x01 \x03(\v2\x1d.sessionrouter.v1.GroupResultR\x06groups*~\n" +
+	"\x06groups\x18\x01 \x03(\v2\x1d.sessionrouter.v1.GroupResultR\x06groups\x12-\n" +
+	"\x12skipped_degenerate\x18\x14 \x01(\rR\x11skippedDegenerate\x12\x1f\n" +
+	"\vlast_cursor\x18\x15 \x01(\x04R\n" +
+	"lastCursor*~\n" +
 	"\rPlacementMode\x12\x1e\n" +
 	"\x1aPLACEMENT_MODE_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15PLACEMENT_MODE_SPREAD\x10\x01\x12\x19\n" +
@@ -1521,6 +1569,7 @@ func file_sessionrouter_v1_session_service_proto_init() {
 	file_sessionrouter_v1_resources_proto_init()
 	file_sessionrouter_v1_session_service_proto_msgTypes[0].OneofWrappers = []any{}
 	file_sessionrouter_v1_session_service_proto_msgTypes[2].OneofWrappers = []any{}
+	file_sessionrouter_v1_session_service_proto_msgTypes[12].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{

@@ -277,6 +277,7 @@ class Session(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     SHARES_WORKER_FIELD_NUMBER: _builtins.int
+    FILTER_METRIC_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """`groups/{group_id}/sessions/{index}`."""
     group_id: _builtins.str
@@ -303,6 +304,8 @@ class Session(_message.Message):
     are scarce). Unlike StartSessionResponse.shared_worker, which was fixed when the session
     was placed, this says it for every member.
     """
+    filter_metric: _builtins.float
+    """The filter metric given with the accepted reward (RewardEntry.filter_metric), if any."""
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Caller metadata given at start. At most 32 entries; keys at most 64 characters, values
@@ -327,13 +330,19 @@ class Session(_message.Message):
         request_id: _builtins.str = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
         shares_worker: _builtins.bool = ...,
+        filter_metric: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "create_time", b"create_time", "reward", b"reward"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "_reward", b"_reward", "create_time", b"create_time", "filter_metric", b"filter_metric", "reward", b"reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "create_time", b"create_time", "group_id", b"group_id", "index", b"index", "metadata", b"metadata", "name", b"name", "request_id", b"request_id", "reward", b"reward", "shares_worker", b"shares_worker", "state", b"state", "task_id", b"task_id", "worker_address", b"worker_address", "worker_id", b"worker_id", "worker_lost", b"worker_lost"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "_reward", b"_reward", "create_time", b"create_time", "filter_metric", b"filter_metric", "group_id", b"group_id", "index", b"index", "metadata", b"metadata", "name", b"name", "request_id", b"request_id", "reward", b"reward", "shares_worker", b"shares_worker", "state", b"state", "task_id", b"task_id", "worker_address", b"worker_address", "worker_id", b"worker_id", "worker_lost", b"worker_lost"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__filter_metric: _TypeAlias = _typing.Literal["filter_metric"]  # noqa: Y015
+    _WhichOneofArgType__filter_metric: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric"]  # noqa: Y015
     _WhichOneofReturnType__reward: _TypeAlias = _typing.Literal["reward"]  # noqa: Y015
     _WhichOneofArgType__reward: _TypeAlias = _typing.Literal["_reward", b"_reward"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__filter_metric) -> _WhichOneofReturnType__filter_metric | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reward) -> _WhichOneofReturnType__reward | None: ...
 
 Global___Session: _TypeAlias = Session  # noqa: Y015
@@ -562,6 +571,7 @@ class GroupResult(_message.Message):
     DEGENERATE_FIELD_NUMBER: _builtins.int
     EXCLUDED_SESSIONS_FIELD_NUMBER: _builtins.int
     FINALIZE_TIME_FIELD_NUMBER: _builtins.int
+    FILTER_METRICS_FIELD_NUMBER: _builtins.int
     cursor: _builtins.int
     """Position on the completed-group feed: strictly increasing, starting at 1, no gaps."""
     group_id: _builtins.str
@@ -574,8 +584,11 @@ class GroupResult(_message.Message):
     """
     std: _builtins.float
     degenerate: _builtins.bool
-    """True when the advantages carry no signal: a single member, or all rewards equal. The
-    advantages are then exactly zero, so trainers can filter such groups (as DAPO does).
+    """True when the group carries no learning signal: a single member, or all rewards equal
+    (the advantages are then exactly zero). When every counted member gave a filter metric
+    (`filter_metrics` is set), it is computed from those instead: all equal, for example
+    every sample passed or every one failed, as DAPO's dynamic sampling filters, even when
+    shaped rewards differ.
     """
     @_builtins.property
     def sessions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -599,6 +612,12 @@ class GroupResult(_message.Message):
 
     @_builtins.property
     def finalize_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def filter_metrics(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The filter metrics of the counted members, aligned with `sessions`, float64; empty
+        unless every counted member's reward carried one.
+        """
+
     def __init__(
         self,
         *,
@@ -616,10 +635,11 @@ class GroupResult(_message.Message):
         degenerate: _builtins.bool = ...,
         excluded_sessions: _abc.Iterable[_builtins.str] | None = ...,
         finalize_time: _timestamp_pb2.Timestamp | None = ...,
+        filter_metrics: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["estimator", b"estimator", "finalize_time", b"finalize_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advantages", b"advantages", "cursor", b"cursor", "degenerate", b"degenerate", "estimator", b"estimator", "excluded_sessions", b"excluded_sessions", "finalize_time", b"finalize_time", "group_id", b"group_id", "group_size", b"group_size", "mean", b"mean", "outcome", b"outcome", "rewards", b"rewards", "sessions", b"sessions", "std", b"std", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advantages", b"advantages", "cursor", b"cursor", "degenerate", b"degenerate", "estimator", b"estimator", "excluded_sessions", b"excluded_sessions", "filter_metrics", b"filter_metrics", "finalize_time", b"finalize_time", "group_id", b"group_id", "group_size", b"group_size", "mean", b"mean", "outcome", b"outcome", "rewards", b"rewards", "sessions", b"sessions", "std", b"std", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -528,21 +528,31 @@ class RewardEntry(_message.Message):
 
     SESSION_FIELD_NUMBER: _builtins.int
     REWARD_FIELD_NUMBER: _builtins.int
+    FILTER_METRIC_FIELD_NUMBER: _builtins.int
     session: _builtins.str
     """`groups/{group_id}/sessions/{index}`."""
     reward: _builtins.float
     """Must be finite (no NaN, no infinity)."""
+    filter_metric: _builtins.float
+    """Optional raw task outcome beside the shaped reward (1 for pass and 0 for fail, say),
+    used only to decide whether the group is degenerate (GroupResult.degenerate). Must be
+    finite. A resubmission must repeat it: another metric with the same reward is a
+    CONFLICT.
+    """
     def __init__(
         self,
         *,
         session: _builtins.str = ...,
         reward: _builtins.float = ...,
+        filter_metric: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "filter_metric", b"filter_metric"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reward", b"reward", "session", b"session"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "filter_metric", b"filter_metric", "reward", b"reward", "session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__filter_metric: _TypeAlias = _typing.Literal["filter_metric"]  # noqa: Y015
+    _WhichOneofArgType__filter_metric: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__filter_metric) -> _WhichOneofReturnType__filter_metric | None: ...
 
 Global___RewardEntry: _TypeAlias = RewardEntry  # noqa: Y015
 
@@ -665,6 +675,7 @@ class SubscribeGroupsRequest(_message.Message):
 
     AFTER_CURSOR_FIELD_NUMBER: _builtins.int
     FROM_LATEST_FIELD_NUMBER: _builtins.int
+    SKIP_DEGENERATE_FIELD_NUMBER: _builtins.int
     after_cursor: _builtins.int
     """Deliver groups with a cursor greater than this one: 0 from the oldest retained group
     (whatever was evicted before it), or the last cursor the trainer processed. A nonzero
@@ -676,15 +687,20 @@ class SubscribeGroupsRequest(_message.Message):
     then ignored). On reconnect, resume with the cursor of the response header or of the last
     group received, not with from_latest again.
     """
+    skip_degenerate: _builtins.bool
+    """Leave out degenerate groups (GroupResult.degenerate): they are counted in
+    `skipped_degenerate` instead, and `last_cursor` moves past them.
+    """
     def __init__(
         self,
         *,
         after_cursor: _builtins.int = ...,
         from_latest: _builtins.bool = ...,
+        skip_degenerate: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_cursor", b"after_cursor", "from_latest", b"from_latest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_cursor", b"after_cursor", "from_latest", b"from_latest", "skip_degenerate", b"skip_degenerate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -695,20 +711,31 @@ class SubscribeGroupsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     GROUPS_FIELD_NUMBER: _builtins.int
+    SKIPPED_DEGENERATE_FIELD_NUMBER: _builtins.int
+    LAST_CURSOR_FIELD_NUMBER: _builtins.int
+    skipped_degenerate: _builtins.int
+    """How many degenerate groups this message covers but leaves out (skip_degenerate)."""
+    last_cursor: _builtins.int
+    """The cursor of the last group this message covers, skipped ones included: resume after
+    it.
+    """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.GroupResult]:
         """One or more groups, in cursor order; together the messages of a stream hold every
-        group with a cursor above the requested one exactly once.
+        group with a cursor above the requested one exactly once (minus the skipped ones).
+        Empty when every group of this message was skipped.
         """
 
     def __init__(
         self,
         *,
         groups: _abc.Iterable[_resources_pb2.GroupResult] | None = ...,
+        skipped_degenerate: _builtins.int = ...,
+        last_cursor: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "last_cursor", b"last_cursor", "skipped_degenerate", b"skipped_degenerate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

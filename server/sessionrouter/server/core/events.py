@@ -93,6 +93,14 @@ class RewardSaved(NamedTuple):
     reward: float
 
 
+class FilterMetricSaved(NamedTuple):
+    """The filter metric that came with a reward (journaled right after the reward)."""
+
+    group_seq: int
+    idx: int
+    metric: float
+
+
 class SessionAborted(NamedTuple):
     group_seq: int
     idx: int
@@ -124,6 +132,7 @@ Event = (
     | SessionStarted
     | RequestSaved
     | RewardSaved
+    | FilterMetricSaved
     | SessionAborted
     | SessionLost
     | GroupFinalized

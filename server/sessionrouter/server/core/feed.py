@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.typing import NDArray
 
 from sessionrouter.server.core.errors import OutOfRange
 from sessionrouter.server.core.estimators import EstimatorParams
+
+_NO_METRICS = np.zeros(0, dtype=np.float64)
 
 
 class GroupOutcome(enum.Enum):
@@ -52,6 +54,8 @@ class GroupResult:
     excluded_sessions: tuple[str, ...]
     finalize_time: float
     """Unix seconds."""
+    filter_metrics: NDArray[np.float64] = field(default_factory=lambda: _NO_METRICS)
+    """(n,) aligned with ``sessions`` when every counted member gave one; else (0,)."""
 
 
 class GroupFeed:

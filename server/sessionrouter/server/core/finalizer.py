@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import NDArray
 
 from sessionrouter.server.core.errors import Unavailable
 from sessionrouter.server.core.estimators import EstimatorParams
@@ -56,6 +57,13 @@ class FinishedGroup:
 Listener = Callable[[GroupResult, GroupRecord], None]
 
 
+def _filter_metrics(counted: tuple[SessionRecord, ...]) -> NDArray[np.float64]:
+    """(n,) filter metrics of the counted members when every one has one, else (0,)."""
+    if not counted or any(s.filter_metric is None for s in counted):
+        return _EMPTY
+    return np.array([s.filter_metric for s in counted], dtype=np.float64)
+
+
 def _own_params(finished: FinishedGroup) -> EstimatorParams:
     """The estimator a finished group is reduced with: its own, except that a dropped group
     never joins the batch of a batch-std reduction."""
@@ -84,6 +92,8 @@ class GroupFinalizer:
         self.listeners: list[Listener] = []
         self.batches = 0
         """How many micro-batches were reduced (for metrics and tests)."""
+        self.degenerate = 0
+        """How many finalized (not dropped) groups were degenerate (for metrics)."""
         self._pending: list[FinishedGroup] = []
         self._wake = asyncio.Event()
         self._unpublished: deque[tuple[GroupResult, FinishedGroup]] = deque()
@@ -146,8 +156,13 @@ class GroupFinalizer:
                 advantages = stats.advantages
             else:
                 mean, std, degenerate, advantages = 0.0, 0.0, True, _EMPTY
+            metrics = _filter_metrics(finished.counted)
+            if metrics.size:
+                degenerate = bool(metrics.size <= 1 or (metrics == metrics[0]).all())
             if finished.outcome is GroupOutcome.DROPPED:
                 advantages = _EMPTY
+            elif degenerate:
+                self.degenerate += 1
             result = GroupResult(
                 cursor=self.feed.next_cursor() + len(self._unpublished),
                 group_id=group.group_id,
@@ -163,6 +178,7 @@ class GroupFinalizer:
                 degenerate=degenerate,
                 excluded_sessions=tuple(s.name for s in finished.excluded),
                 finalize_time=finished.finalize_time,
+                filter_metrics=metrics,
             )
             if self.journal is None:
                 self._publish(result, finished)

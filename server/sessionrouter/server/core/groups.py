@@ -63,6 +63,8 @@ class SessionRecord:
     state: SessionState = SessionState.OPEN
     worker_lost: bool = False
     reward: float | None = None
+    filter_metric: float | None = None
+    """The raw task outcome given with the reward, if any (decides degenerate)."""
 
     @property
     def name(self) -> str:

@@ -43,6 +43,7 @@ from sessionrouter.server.core.errors import (
 )
 from sessionrouter.server.core.estimators import validate_params
 from sessionrouter.server.core.events import (
+    FilterMetricSaved,
     JournalSink,
     RecoveredState,
     RequestSaved,
@@ -153,6 +154,7 @@ class SessionRouter:
             rewards=dict(self.stats.rewards),
             groups_finished=dict(self.stats.groups_finished),
             reducer_batches=self.finalizer.batches,
+            groups_degenerate=self.finalizer.degenerate,
             feed_cursor=self.feed.last_cursor,
         )
 
@@ -479,20 +481,25 @@ class SessionRouter:
 
     def submit_rewards(
         self,
-        entries: Sequence[tuple[str, float]],
+        entries: Sequence[tuple[str, float] | tuple[str, float, float]],
         origin: StreamOrigin | None = None,
     ) -> list[RewardOutcome]:
-        """Records a batch of (session name, reward); one outcome per entry, in order.
+        """Records a batch of (session name, reward[, filter metric]); one outcome per
+        entry, in order.
 
         Only ACCEPTED entries change state. A group whose last reward arrives here is
         finished and queued for reduction, and its result is owed to ``origin``."""
-        outcomes = [self._submit_one(name, reward, origin) for name, reward in entries]
+        outcomes = [
+            self._submit_one(e[0], e[1], e[2] if len(e) > 2 else None, origin) for e in entries
+        ]
         counts = self.stats.rewards
         for outcome in outcomes:
             counts[outcome.status] += 1
         return outcomes
 
-    def _submit_one(self, name: str, reward: float, origin: StreamOrigin | None) -> RewardOutcome:
+    def _submit_one(
+        self, name: str, reward: float, metric: float | None, origin: StreamOrigin | None
+    ) -> RewardOutcome:
         parsed = try_parse_session_name(name)
         session = None if parsed is None else self.groups.find_session(*parsed)
         if session is None:
@@ -504,14 +511,17 @@ class SessionRouter:
             )
         if not math.isfinite(reward):
             return RewardOutcome(RewardStatus.NOT_FINITE, f"reward {reward} is not finite")
+        if metric is not None and not math.isfinite(metric):
+            return RewardOutcome(RewardStatus.NOT_FINITE, f"filter_metric {metric} is not finite")
         if session.state is SessionState.ABORTED:
             return RewardOutcome(RewardStatus.SESSION_ABORTED, f"session {name!r} was aborted")
         if session.state is SessionState.REWARDED:
-            if session.reward == reward:
+            if session.reward == reward and session.filter_metric == metric:
                 return RewardOutcome(RewardStatus.DUPLICATE, "the same reward is recorded")
             return RewardOutcome(
                 RewardStatus.CONFLICT,
-                f"session {name!r} already has reward {session.reward!r}",
+                f"session {name!r} already has reward {session.reward!r}"
+                f" (filter_metric {session.filter_metric!r})",
             )
         group = self.groups.get(session.group_id)
         if group.state is not GroupState.OPEN:
@@ -522,8 +532,12 @@ class SessionRouter:
         session.reward = float(reward)
         session.state = SessionState.REWARDED
         group.rewarded += 1
+        if metric is not None:
+            session.filter_metric = float(metric)
         if self.journal is not None:
             self.journal.reward(group.seq, session.index, session.reward)
+            if metric is not None:
+                self.journal.append(FilterMetricSaved(group.seq, session.index, float(metric)))
         self.workers.release_session(session.worker_id, session.key)
         if group.settled:
             self._finish(group, origin)

@@ -58,3 +58,6 @@ class RouterSnapshot:
     groups_finished: dict[GroupOutcome, int]
     reducer_batches: int
     feed_cursor: int
+    groups_degenerate: int = 0
+    """Finalized (not dropped) groups flagged degenerate since start: with the finalized
+    count, the degenerate fraction producers use to oversample."""

@@ -54,8 +54,8 @@ class RewardAck:
 
 StreamEvent = RewardAck | GroupResult
 
-Entries = Sequence[tuple[str, float]]
-"""(session name, reward) pairs of one request."""
+Entries = Sequence[tuple[str, float] | tuple[str, float, float]]
+"""(session name, reward) or (session name, reward, filter metric) of one request."""
 Submit = Callable[[Entries, "StreamOrigin"], list[RewardOutcome]]
 """Applies one request's entries (``SessionRouter.submit_rewards``)."""
 Commit = Callable[[], Awaitable[None]]

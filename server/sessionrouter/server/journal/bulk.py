@@ -86,6 +86,12 @@ def bulk_statements(con: sqlite3.Connection) -> dict[str, Bulk]:
             " WHERE sessions.group_seq = v.column1 AND sessions.idx = v.column2",
             len(member),
         ),
+        "metrics": Bulk(
+            con,
+            "UPDATE sessions SET filter_metric = v.column3 FROM (VALUES {values}) AS v"
+            " WHERE sessions.group_seq = v.column1 AND sessions.idx = v.column2",
+            len(member) + 1,
+        ),
         "lost": Bulk(
             con,
             "UPDATE sessions SET worker_lost = 1 FROM (VALUES {values}) AS v"

@@ -74,6 +74,7 @@ def result_columns(ev: GroupFinalized) -> tuple[Any, ...]:
         r.std,
         int(r.degenerate),
         r.finalize_time,
+        floats_bytes(r.filter_metrics),
     )
 
 
@@ -82,7 +83,18 @@ def result_from_columns(
 ) -> tuple[GroupResult, list[int]]:
     """The result of a finalized group from its result columns after state and cursor, and
     the indices of its counted members."""
-    outcome, counted, excluded, rewards, advantages, mean, std, degenerate, finalized = columns
+    (
+        outcome,
+        counted,
+        excluded,
+        rewards,
+        advantages,
+        mean,
+        std,
+        degenerate,
+        finalized,
+        metrics,
+    ) = columns
     gid = created.group_id
     indices = np.frombuffer(counted, INDICES).tolist()
     result = GroupResult(
@@ -102,5 +114,6 @@ def result_from_columns(
             session_name(gid, i) for i in np.frombuffer(excluded, INDICES).tolist()
         ),
         finalize_time=float(finalized),
+        filter_metrics=floats(metrics),
     )
     return result, indices

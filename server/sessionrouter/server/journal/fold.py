@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from sessionrouter.server.core.events import (
+    FilterMetricSaved,
     GroupCreated,
     GroupFinalized,
     RequestSaved,
@@ -39,6 +40,7 @@ from sessionrouter.server.journal.logrows import Batch, Finalized, LoggedEvent
 from sessionrouter.server.journal.schema import (
     GROUP_CREATED_COLUMNS,
     GROUP_RESULT_START,
+    SESSION_FILTER_METRIC,
     SESSION_REWARD,
     SESSION_STATE,
     SESSION_WORKER_LOST,
@@ -67,6 +69,8 @@ class RowChanges:
     rewards: list[tuple[int, int, float]] = field(default_factory=list)
     """(group_seq, idx, reward) to set on sessions inserted by an earlier fold."""
     aborts: list[tuple[int, int]] = field(default_factory=list)
+    metrics: list[tuple[int, int, float]] = field(default_factory=list)
+    """(group_seq, idx, filter metric) to set on sessions inserted by an earlier fold."""
     lost: list[tuple[int, int]] = field(default_factory=list)
     requests: list[tuple[str, int, int | None, str]] = field(default_factory=list)
     """Rows of ``requests`` to insert or replace."""
@@ -112,6 +116,7 @@ def fold(
                 "open",
                 0,
                 None,
+                None,
             ]
         elif isinstance(ev, GroupCreated):
             new_groups[ev.seq] = [*ev, "open", 0, *NO_RESULT]
@@ -135,6 +140,12 @@ def fold(
                 changes.aborts.append(key)
             else:
                 session[SESSION_STATE] = "aborted"
+        elif isinstance(ev, FilterMetricSaved):
+            session = new_sessions.get((ev.group_seq, ev.idx))
+            if session is None:
+                changes.metrics.append((ev.group_seq, ev.idx, ev.metric))
+            else:
+                session[SESSION_FILTER_METRIC] = ev.metric
         elif isinstance(ev, SessionLost):
             key = (ev.group_seq, ev.idx)
             session = new_sessions.get(key)

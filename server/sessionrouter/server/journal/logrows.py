@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from sessionrouter.server.core.events import (
     Event,
+    FilterMetricSaved,
     GroupCreated,
     GroupFinalized,
     RequestSaved,
@@ -53,6 +54,7 @@ TAG_CLASSES: dict[int, type[Any]] = {
     7: SessionAborted,
     8: SessionLost,
     9: Finalized,
+    10: FilterMetricSaved,
 }
 """Stable numbers of the event kinds in ``log`` (part of the schema: never renumber)."""
 TAGS = {cls: tag for tag, cls in TAG_CLASSES.items()}

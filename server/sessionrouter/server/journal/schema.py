@@ -34,7 +34,9 @@ from dataclasses import dataclass
 SCHEMA_VERSION = 2
 """Bumped on any change of the tables, of what a column means, or of the log-row format.
 
-Version 2 added ``groups.placement`` (the group's placement policy). A version 1 journal is
+Version 2 added ``groups.placement`` (the group's placement policy),
+``sessions.filter_metric`` and ``groups.filter_metrics`` (the metric given beside a reward,
+and a result's metrics) and the ``FilterMetricSaved`` log event. A version 1 journal is
 refused at start-up with a message naming its file: it holds no placement policies, and its
 groups are better finished by the router version that wrote it than guessed."""
 APPLICATION_ID = 0x53524A31
@@ -136,6 +138,7 @@ GROUP_RESULT_COLUMNS = (
     "std",
     "degenerate",
     "finalize_time",
+    "filter_metrics",
 )
 """The trailing columns of ``groups``: what a finalization sets (``state`` and ``cursor`` first)."""
 
@@ -166,6 +169,7 @@ GROUPS = Table(
         "std REAL",
         "degenerate INTEGER",
         "finalize_time REAL",
+        "filter_metrics BLOB",  # float64 little-endian, aligned with counted; empty if none
     ),
     key=("seq",),
     without_rowid=False,
@@ -185,6 +189,7 @@ SESSIONS = Table(
         "state TEXT NOT NULL",  # a SessionState value
         "worker_lost INTEGER NOT NULL",
         "reward REAL",
+        "filter_metric REAL",
     ),
     key=("group_seq", "idx"),
 )
@@ -218,6 +223,7 @@ GROUP_STATES = frozenset({"open", "finalized", "dropped"})
 SESSION_STATE = SESSIONS.pos("state")
 SESSION_WORKER_LOST = SESSIONS.pos("worker_lost")
 SESSION_REWARD = SESSIONS.pos("reward")
+SESSION_FILTER_METRIC = SESSIONS.pos("filter_metric")
 GROUP_RESULT_START = GROUPS.pos(GROUP_RESULT_COLUMNS[0])
 GROUP_CURSOR = GROUPS.pos("cursor")
 

@@ -299,9 +299,20 @@ class JournalTables:
         current_seq = 0
         members: list[SessionRecord] = []
         gid = task = ""
-        for seq, idx, wid, waddr, rid, meta, created_at, shared, state, lost, reward in con.execute(
-            f"SELECT {SESSIONS.select()} FROM sessions ORDER BY group_seq, idx"
-        ):
+        for (
+            seq,
+            idx,
+            wid,
+            waddr,
+            rid,
+            meta,
+            created_at,
+            shared,
+            state,
+            lost,
+            reward,
+            metric,
+        ) in con.execute(f"SELECT {SESSIONS.select()} FROM sessions ORDER BY group_seq, idx"):
             if seq != current_seq:
                 current, current_seq = groups.get(seq), seq
                 if current is None:
@@ -327,6 +338,7 @@ class JournalTables:
                     _SESSION_STATES[state],
                     bool(lost),
                     reward,
+                    metric,
                 )
             )
         expected = list(range(self.compacted_cursor + 1, self.last_cursor + 1))
@@ -381,6 +393,7 @@ class JournalTables:
             bulk["rewards"].run(con, changes.rewards)
             bulk["aborts"].run(con, changes.aborts)
             bulk["lost"].run(con, changes.lost)
+            bulk["metrics"].run(con, changes.metrics)
             bulk["finals"].run(con, [(*columns, seq) for seq, columns in changes.finals.items()])
             bulk["requests"].run(con, changes.requests)
             for worker_id, saved in changes.workers.items():  # rare: one statement each
