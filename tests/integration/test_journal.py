@@ -260,7 +260,10 @@ async def test_feed_resumes_by_cursor_and_cursors_continue_after_a_restart(
 
 
 async def test_group_deadlines_keep_counting_across_a_restart(tmp_path: Path) -> None:
-    h = await start_durable(tmp_path, ManualClock())
+    # Workers silent for minutes stay healthy: their members are not lost, so the group
+    # waits for its deadline (a group with only lost members left would finish at once).
+    quiet = RouterSettings(heartbeat_timeout_s=3600.0)
+    h = await start_durable(tmp_path, ManualClock(), quiet)
     await register_pool(h)
     options = pb.GroupOptions(min_members=2, deadline=Duration(seconds=600))
     group = await h.sessions.StartGroup(
@@ -270,7 +273,7 @@ async def test_group_deadlines_keep_counting_across_a_restart(tmp_path: Path) ->
     await send_rewards(h, [(names[0], 1.0), (names[1], 0.0)])
     h.clock.advance(400)
     assert h.expire() == 0
-    h = await restart(h, tmp_path, down_s=100.0)  # 500 s of the 600 s are gone
+    h = await restart(h, tmp_path, down_s=100.0, settings=quiet)  # 500 s of 600 s gone
     try:
         h.clock.advance(99)
         assert h.expire() == 0

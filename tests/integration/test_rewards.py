@@ -298,7 +298,22 @@ async def test_expired_cursor_is_out_of_range_with_the_oldest_cursor() -> None:
         await stop_harness(h)
 
 
-async def test_deadline_finalizes_partial_group_with_enough_members(harness: Harness) -> None:
+@pytest.fixture
+async def silent_pool_harness() -> AsyncIterator[Harness]:
+    """A router whose workers stay healthy without heartbeats for an hour: the deadline
+    tests let minutes pass, and a group whose open members' workers were all lost would
+    finish at once instead of at its deadline."""
+    h = await start_harness(RouterSettings(heartbeat_timeout_s=3600.0))
+    try:
+        yield h
+    finally:
+        await stop_harness(h)
+
+
+async def test_deadline_finalizes_partial_group_with_enough_members(
+    silent_pool_harness: Harness,
+) -> None:
+    harness = silent_pool_harness
     await register_pool(harness)
     names = await make_group(harness, "p", 4, pb.GroupOptions(min_members=2))
     stream = RewardClient(harness)
@@ -324,7 +339,8 @@ async def test_deadline_finalizes_partial_group_with_enough_members(harness: Har
     await stream.close()
 
 
-async def test_deadline_drops_group_with_too_few_members(harness: Harness) -> None:
+async def test_deadline_drops_group_with_too_few_members(silent_pool_harness: Harness) -> None:
+    harness = silent_pool_harness
     await register_pool(harness)
     names = await make_group(
         harness, "d", 4, pb.GroupOptions(min_members=3, deadline=Duration(seconds=30))

@@ -101,6 +101,8 @@ def session_from_proto(msg: resources_pb2.Session) -> types.Session:
         create_time=_time_from_proto(msg.create_time, msg.HasField("create_time")),
         shares_worker=msg.shares_worker,
         filter_metric=msg.filter_metric if msg.HasField("filter_metric") else None,
+        replaces=msg.replaces,
+        replaced_by=msg.replaced_by,
     )
 
 
@@ -126,7 +128,9 @@ def estimator_from_proto(msg: resources_pb2.EstimatorConfig) -> types.EstimatorC
 
 def group_options_to_proto(value: types.GroupOptions) -> resources_pb2.GroupOptions:
     msg = resources_pb2.GroupOptions(
-        min_members=value.min_members or 0, selector=dict(value.selector)
+        min_members=value.min_members or 0,
+        selector=dict(value.selector),
+        replace_lost=value.replace_lost,
     )
     if value.max_members_per_worker is not None:
         msg.max_members_per_worker = value.max_members_per_worker
@@ -148,6 +152,7 @@ def group_options_from_proto(msg: resources_pb2.GroupOptions) -> types.GroupOpti
             msg.max_members_per_worker if msg.HasField("max_members_per_worker") else None
         ),
         selector=dict(msg.selector),
+        replace_lost=msg.replace_lost,
     )
 
 
@@ -185,6 +190,7 @@ def group_result_from_proto(msg: resources_pb2.GroupResult) -> types.GroupResult
         excluded_sessions=tuple(msg.excluded_sessions),
         finalize_time=_time_from_proto(msg.finalize_time, msg.HasField("finalize_time")),
         filter_metrics=tuple(msg.filter_metrics),
+        replaced_sessions=tuple(msg.replaced_sessions),
     )
 
 
@@ -312,6 +318,8 @@ def session_to_proto(value: types.Session) -> resources_pb2.Session:
         create_time=_time_to_proto(value.create_time),
         shares_worker=value.shares_worker,
         filter_metric=value.filter_metric,
+        replaces=value.replaces,
+        replaced_by=value.replaced_by,
     )
 
 
@@ -349,6 +357,7 @@ def group_result_to_proto(value: types.GroupResult) -> resources_pb2.GroupResult
         excluded_sessions=value.excluded_sessions,
         finalize_time=_time_to_proto(value.finalize_time),
         filter_metrics=value.filter_metrics,
+        replaced_sessions=value.replaced_sessions,
     )
 
 

@@ -178,6 +178,10 @@ class Session:
     """True when another member of the group runs on the same worker (before or after)."""
     filter_metric: float | None = None
     """The raw task outcome given with the reward, if any."""
+    replaces: str = ""
+    """On a replacement member: the name of the member it replaces."""
+    replaced_by: str = ""
+    """On a replaced (hence aborted) member: the name of its replacement."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +215,9 @@ class GroupOptions:
     """PACK only: the most members on one worker; ``None`` is the fair share."""
     selector: Mapping[str, str] = field(default_factory=dict)
     """Labels a worker must all carry to take members of the group; empty: any worker."""
+    replace_lost: bool = False
+    """Start a replacement member when a member's worker is lost (or it is aborted as
+    retryable)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +301,8 @@ class GroupResult:
     filter_metrics: tuple[float, ...] = ()
     """Aligned with ``sessions`` when every counted member's reward carried a filter metric
     (``degenerate`` then means those are all equal); else empty."""
+    replaced_sessions: tuple[str, ...] = ()
+    """Members replaced by another (``replace_lost``); also in ``excluded_sessions``."""
 
     @property
     def rewards_array(self) -> npt.NDArray[np.float64]:

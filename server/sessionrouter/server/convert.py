@@ -7,6 +7,8 @@ from google.protobuf import duration_pb2, timestamp_pb2
 from sessionrouter.server.core import feed, groups, placement, rewards, router
 from sessionrouter.server.core.errors import InvalidArgument
 from sessionrouter.server.core.estimators import EstimatorParams
+from sessionrouter.server.core.streams import MemberReplaced
+from sessionrouter.server.core.validation import session_name
 from sessionrouter.server.core.workers import WorkerRecord
 from sessionrouter.v1 import resources_pb2 as pb
 from sessionrouter.v1 import session_service_pb2 as spb
@@ -92,6 +94,10 @@ def session_to_proto(s: groups.SessionRecord, group: groups.GroupRecord | None) 
         msg.reward = s.reward
     if s.filter_metric is not None:
         msg.filter_metric = s.filter_metric
+    if s.replaces >= 0:
+        msg.replaces = session_name(s.group_id, s.replaces)
+    if s.replaced_by >= 0:
+        msg.replaced_by = session_name(s.group_id, s.replaced_by)
     return msg
 
 
@@ -123,6 +129,7 @@ def options_to_proto(settings: groups.GroupSettings) -> pb.GroupOptions:
         deadline=duration(settings.deadline_s),
         min_members=settings.min_members,
         selector=dict(policy.selector),
+        replace_lost=policy.replace_lost,
     )
     if policy.max_members_per_worker:
         msg.max_members_per_worker = policy.max_members_per_worker
@@ -150,6 +157,16 @@ def result_to_proto(r: feed.GroupResult) -> pb.GroupResult:
         excluded_sessions=r.excluded_sessions,
         finalize_time=timestamp(r.finalize_time),
         filter_metrics=r.filter_metrics.tolist(),
+        replaced_sessions=r.replaced_sessions,
+    )
+
+
+def replacement_to_proto(notice: MemberReplaced) -> spb.MemberReplaced:
+    return spb.MemberReplaced(
+        group_id=notice.group_id,
+        replaced_session=notice.replaced_session,
+        replacement=session_to_proto(notice.replacement, notice.group),
+        reason=notice.reason,
     )
 
 
@@ -166,6 +183,7 @@ def options_from_proto(msg: pb.GroupOptions) -> router.OptionsSpec:
             msg.max_members_per_worker if msg.HasField("max_members_per_worker") else None
         ),
         selector=dict(msg.selector),
+        replace_lost=msg.replace_lost,
     )
 
 

@@ -26,6 +26,7 @@ from sessionrouter.server.core.router import SessionRouter
 from sessionrouter.server.core.streams import (
     Commit,
     Entries,
+    MemberReplaced,
     RewardAck,
     RewardFlow,
     StreamEvent,
@@ -87,6 +88,11 @@ def _pack_stream_events(events: list[StreamEvent]) -> list[spb.SubmitRewardsResp
         if isinstance(event, RewardAck):
             current = spb.SubmitRewardsResponse(ack=_ack_to_proto(event))
             messages.append(current)
+        elif isinstance(event, MemberReplaced):
+            if current is None:
+                current = spb.SubmitRewardsResponse()
+                messages.append(current)
+            current.replacements.append(convert.replacement_to_proto(event))
         else:
             if current is None or len(current.group_results) >= RESULTS_PER_MESSAGE:
                 current = spb.SubmitRewardsResponse()
@@ -193,7 +199,8 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
         self._router = router
         self._commit = commit
         self._draining = False
-        self._reward_flows: set[RewardFlow] = set()
+        # The router's own set: it sends replacement notices to the same open streams.
+        self._reward_flows: set[RewardFlow] = router.reward_flows
 
     async def StartSession(
         self, request: spb.StartSessionRequest, context: grpc.aio.ServicerContext[object, object]
@@ -233,7 +240,7 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
         self, request: spb.AbortSessionRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> spb.AbortSessionResponse:
         try:
-            session = self._router.abort_session(request.session, request.reason)
+            session = self._router.abort_session(request.session, request.reason, request.retryable)
         except RouterError as error:
             await _abort(context, error)
         reply = spb.AbortSessionResponse(

@@ -162,7 +162,8 @@ const (
 	// Every member has a reward, or the group was finalized with enough members at its
 	// deadline: its advantages are on the feed.
 	GroupState_GROUP_STATE_FINALIZED GroupState = 2
-	// Too few rewarded members at the deadline: no advantages; the feed says so.
+	// Too few rewarded members at the end (the deadline, or the moment its remaining members
+	// were all aborted or lost): no advantages; the feed says so.
 	GroupState_GROUP_STATE_DROPPED GroupState = 3
 )
 
@@ -392,8 +393,11 @@ type Session struct {
 	WorkerAddress string       `protobuf:"bytes,6,opt,name=worker_address,json=workerAddress,proto3" json:"worker_address,omitempty"`
 	State         SessionState `protobuf:"varint,7,opt,name=state,proto3,enum=sessionrouter.v1.SessionState" json:"state,omitempty"`
 	// True when the session's worker went unhealthy or was deregistered while the session was
-	// open. A reward can still arrive for it; if none does before the group's deadline, the
-	// session is left out of the group's statistics.
+	// open. A reward can still arrive for it while its group is open; if none does, the
+	// session is left out of the group's statistics. A group whose open members are all lost
+	// (the others rewarded or aborted) has nothing left to wait for and is finalized at once
+	// (PARTIAL or DROPPED), not at its deadline; with GroupOptions.replace_lost the member is
+	// replaced instead.
 	WorkerLost bool `protobuf:"varint,8,opt,name=worker_lost,json=workerLost,proto3" json:"worker_lost,omitempty"`
 	// The accepted reward, present when state is SESSION_STATE_REWARDED.
 	Reward *float64 `protobuf:"fixed64,9,opt,name=reward,proto3,oneof" json:"reward,omitempty"`
@@ -409,7 +413,13 @@ type Session struct {
 	// was placed, this says it for every member.
 	SharesWorker bool `protobuf:"varint,20,opt,name=shares_worker,json=sharesWorker,proto3" json:"shares_worker,omitempty"`
 	// The filter metric given with the accepted reward (RewardEntry.filter_metric), if any.
-	FilterMetric  *float64 `protobuf:"fixed64,21,opt,name=filter_metric,json=filterMetric,proto3,oneof" json:"filter_metric,omitempty"`
+	FilterMetric *float64 `protobuf:"fixed64,21,opt,name=filter_metric,json=filterMetric,proto3,oneof" json:"filter_metric,omitempty"`
+	// Set on a replacement member (GroupOptions.replace_lost): the name of the member it
+	// replaces.
+	Replaces string `protobuf:"bytes,22,opt,name=replaces,proto3" json:"replaces,omitempty"`
+	// Set on a replaced member: the name of the member that replaces it. A replaced member is
+	// aborted (SESSION_STATE_ABORTED) and leaves the group's statistics.
+	ReplacedBy    string `protobuf:"bytes,23,opt,name=replaced_by,json=replacedBy,proto3" json:"replaced_by,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -542,6 +552,20 @@ func (x *Session) GetFilterMetric() float64 {
 	return 0
 }
 
+func (x *Session) GetReplaces() string {
+	if x != nil {
+		return x.Replaces
+	}
+	return ""
+}
+
+func (x *Session) GetReplacedBy() string {
+	if x != nil {
+		return x.ReplacedBy
+	}
+	return ""
+}
+
 // How the advantages of a group are computed. Every field is optional: an unset field takes
 // the server's default.
 type EstimatorConfig struct {
@@ -640,7 +664,15 @@ type GroupOptions struct {
 	// Empty: every worker. When no registered worker matches, starting a member is
 	// UNAVAILABLE with reason NO_MATCHING_WORKER and the selector (`key=value,...`) in the
 	// details. Same limits as Worker.labels.
-	Selector      map[string]string `protobuf:"bytes,21,rep,name=selector,proto3" json:"selector,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	Selector map[string]string `protobuf:"bytes,21,rep,name=selector,proto3" json:"selector,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// When a member's worker is lost (unhealthy or deregistered while the member is open), or
+	// a member is aborted with `retryable`, start a replacement member in the same group: a
+	// new index, on a worker the group does not use yet when there is one (STRICT: only
+	// then). The group keeps its size and its deadline; every open SubmitRewards stream is
+	// told (`replacements`), and both members name each other (Session.replaces,
+	// replaced_by). At most group_size replacements per group. Without it a lost member
+	// stays in the group until a reward or the deadline.
+	ReplaceLost   bool `protobuf:"varint,22,opt,name=replace_lost,json=replaceLost,proto3" json:"replace_lost,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -708,6 +740,13 @@ func (x *GroupOptions) GetSelector() map[string]string {
 		return x.Selector
 	}
 	return nil
+}
+
+func (x *GroupOptions) GetReplaceLost() bool {
+	if x != nil {
+		return x.ReplaceLost
+	}
+	return false
 }
 
 // A group of sessions answering one task.
@@ -886,8 +925,11 @@ type GroupResult struct {
 	// The filter metrics of the counted members, aligned with `sessions`, float64; empty
 	// unless every counted member's reward carried one.
 	FilterMetrics []float64 `protobuf:"fixed64,20,rep,packed,name=filter_metrics,json=filterMetrics,proto3" json:"filter_metrics,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// Members that were replaced (GroupOptions.replace_lost); they are also in
+	// `excluded_sessions`.
+	ReplacedSessions []string `protobuf:"bytes,21,rep,name=replaced_sessions,json=replacedSessions,proto3" json:"replaced_sessions,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *GroupResult) Reset() {
@@ -1025,6 +1067,13 @@ func (x *GroupResult) GetFilterMetrics() []float64 {
 	return nil
 }
 
+func (x *GroupResult) GetReplacedSessions() []string {
+	if x != nil {
+		return x.ReplacedSessions
+	}
+	return nil
+}
+
 var File_sessionrouter_v1_resources_proto protoreflect.FileDescriptor
 
 const file_sessionrouter_v1_resources_proto_rawDesc = "" +
@@ -1041,7 +1090,7 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\x13last_heartbeat_time\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\x11lastHeartbeatTime\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xe9\x04\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xa6\x05\n" +
 	"\aSession\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x19\n" +
 	"\bgroup_id\x18\x02 \x01(\tR\agroupId\x12\x14\n" +
@@ -1060,7 +1109,10 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\vcreate_time\x18\f \x01(\v2\x1a.google.protobuf.TimestampR\n" +
 	"createTime\x12#\n" +
 	"\rshares_worker\x18\x14 \x01(\bR\fsharesWorker\x12(\n" +
-	"\rfilter_metric\x18\x15 \x01(\x01H\x01R\ffilterMetric\x88\x01\x01\x1a;\n" +
+	"\rfilter_metric\x18\x15 \x01(\x01H\x01R\ffilterMetric\x88\x01\x01\x12\x1a\n" +
+	"\breplaces\x18\x16 \x01(\tR\breplaces\x12\x1f\n" +
+	"\vreplaced_by\x18\x17 \x01(\tR\n" +
+	"replacedBy\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\t\n" +
@@ -1074,14 +1126,15 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\x04_epsB\a\n" +
 	"\x05_ddofB\f\n" +
 	"\n" +
-	"_batch_std\"\x83\x03\n" +
+	"_batch_std\"\xa6\x03\n" +
 	"\fGroupOptions\x12?\n" +
 	"\testimator\x18\x01 \x01(\v2!.sessionrouter.v1.EstimatorConfigR\testimator\x125\n" +
 	"\bdeadline\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\bdeadline\x12\x1f\n" +
 	"\vmin_members\x18\x03 \x01(\rR\n" +
 	"minMembers\x128\n" +
 	"\x16max_members_per_worker\x18\x14 \x01(\rH\x00R\x13maxMembersPerWorker\x88\x01\x01\x12H\n" +
-	"\bselector\x18\x15 \x03(\v2,.sessionrouter.v1.GroupOptions.SelectorEntryR\bselector\x1a;\n" +
+	"\bselector\x18\x15 \x03(\v2,.sessionrouter.v1.GroupOptions.SelectorEntryR\bselector\x12!\n" +
+	"\freplace_lost\x18\x16 \x01(\bR\vreplaceLost\x1a;\n" +
 	"\rSelectorEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\x19\n" +
@@ -1101,7 +1154,7 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\x06cursor\x18\n" +
 	" \x01(\x04R\x06cursor\x12)\n" +
 	"\x10distinct_workers\x18\x14 \x01(\rR\x0fdistinctWorkers\x12#\n" +
-	"\rshared_worker\x18\x15 \x01(\bR\fsharedWorker\"\xa4\x04\n" +
+	"\rshared_worker\x18\x15 \x01(\bR\fsharedWorker\"\xd1\x04\n" +
 	"\vGroupResult\x12\x16\n" +
 	"\x06cursor\x18\x01 \x01(\x04R\x06cursor\x12\x19\n" +
 	"\bgroup_id\x18\x02 \x01(\tR\agroupId\x12\x17\n" +
@@ -1123,7 +1176,8 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"degenerate\x12+\n" +
 	"\x11excluded_sessions\x18\r \x03(\tR\x10excludedSessions\x12?\n" +
 	"\rfinalize_time\x18\x0e \x01(\v2\x1a.google.protobuf.TimestampR\ffinalizeTime\x12%\n" +
-	"\x0efilter_metrics\x18\x14 \x03(\x01R\rfilterMetrics*e\n" +
+	"\x0efilter_metrics\x18\x14 \x03(\x01R\rfilterMetrics\x12+\n" +
+	"\x11replaced_sessions\x18\x15 \x03(\tR\x10replacedSessions*e\n" +
 	"\fWorkerHealth\x12\x1d\n" +
 	"\x19WORKER_HEALTH_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15WORKER_HEALTH_HEALTHY\x10\x01\x12\x1b\n" +

@@ -531,7 +531,10 @@ type AbortSessionRequest struct {
 	// `groups/{group_id}/sessions/{index}`.
 	Session string `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
 	// Why, for logs; at most 1024 characters.
-	Reason        string `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
+	Reason string `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
+	// The caller deems the failure worth retrying: when the group has
+	// GroupOptions.replace_lost, a replacement member is started (see there).
+	Retryable     bool `protobuf:"varint,20,opt,name=retryable,proto3" json:"retryable,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -578,6 +581,13 @@ func (x *AbortSessionRequest) GetReason() string {
 		return x.Reason
 	}
 	return ""
+}
+
+func (x *AbortSessionRequest) GetRetryable() bool {
+	if x != nil {
+		return x.Retryable
+	}
+	return false
 }
 
 type AbortSessionResponse struct {
@@ -1164,7 +1174,10 @@ type SubmitRewardsResponse struct {
 	Ack *RewardAck `protobuf:"bytes,1,opt,name=ack,proto3" json:"ack,omitempty"`
 	// Groups that rewards sent on this stream finalized, in cursor order. A group's result is
 	// never sent before the ack of the request that finalized it (it may share that message).
-	GroupResults  []*GroupResult `protobuf:"bytes,2,rep,name=group_results,json=groupResults,proto3" json:"group_results,omitempty"`
+	GroupResults []*GroupResult `protobuf:"bytes,2,rep,name=group_results,json=groupResults,proto3" json:"group_results,omitempty"`
+	// Members replaced since the previous message (GroupOptions.replace_lost), sent to every
+	// open SubmitRewards stream: the client that runs the group starts the new member.
+	Replacements  []*MemberReplaced `protobuf:"bytes,20,rep,name=replacements,proto3" json:"replacements,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1213,6 +1226,85 @@ func (x *SubmitRewardsResponse) GetGroupResults() []*GroupResult {
 	return nil
 }
 
+func (x *SubmitRewardsResponse) GetReplacements() []*MemberReplaced {
+	if x != nil {
+		return x.Replacements
+	}
+	return nil
+}
+
+// A member of a group was replaced by a new one.
+type MemberReplaced struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	GroupId string                 `protobuf:"bytes,1,opt,name=group_id,json=groupId,proto3" json:"group_id,omitempty"`
+	// The name of the member replaced (now aborted).
+	ReplacedSession string `protobuf:"bytes,2,opt,name=replaced_session,json=replacedSession,proto3" json:"replaced_session,omitempty"`
+	// The new member, placed and open.
+	Replacement *Session `protobuf:"bytes,3,opt,name=replacement,proto3" json:"replacement,omitempty"`
+	// Why: `worker_lost` or `aborted`.
+	Reason        string `protobuf:"bytes,4,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MemberReplaced) Reset() {
+	*x = MemberReplaced{}
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MemberReplaced) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MemberReplaced) ProtoMessage() {}
+
+func (x *MemberReplaced) ProtoReflect() protoreflect.Message {
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MemberReplaced.ProtoReflect.Descriptor instead.
+func (*MemberReplaced) Descriptor() ([]byte, []int) {
+	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *MemberReplaced) GetGroupId() string {
+	if x != nil {
+		return x.GroupId
+	}
+	return ""
+}
+
+func (x *MemberReplaced) GetReplacedSession() string {
+	if x != nil {
+		return x.ReplacedSession
+	}
+	return ""
+}
+
+func (x *MemberReplaced) GetReplacement() *Session {
+	if x != nil {
+		return x.Replacement
+	}
+	return nil
+}
+
+func (x *MemberReplaced) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
 type SubscribeGroupsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Deliver groups with a cursor greater than this one: 0 from the oldest retained group
@@ -1233,7 +1325,7 @@ type SubscribeGroupsRequest struct {
 
 func (x *SubscribeGroupsRequest) Reset() {
 	*x = SubscribeGroupsRequest{}
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[17]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1245,7 +1337,7 @@ func (x *SubscribeGroupsRequest) String() string {
 func (*SubscribeGroupsRequest) ProtoMessage() {}
 
 func (x *SubscribeGroupsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[17]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1258,7 +1350,7 @@ func (x *SubscribeGroupsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubscribeGroupsRequest.ProtoReflect.Descriptor instead.
 func (*SubscribeGroupsRequest) Descriptor() ([]byte, []int) {
-	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{17}
+	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *SubscribeGroupsRequest) GetAfterCursor() uint64 {
@@ -1299,7 +1391,7 @@ type SubscribeGroupsResponse struct {
 
 func (x *SubscribeGroupsResponse) Reset() {
 	*x = SubscribeGroupsResponse{}
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[18]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1311,7 +1403,7 @@ func (x *SubscribeGroupsResponse) String() string {
 func (*SubscribeGroupsResponse) ProtoMessage() {}
 
 func (x *SubscribeGroupsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[18]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1324,7 +1416,7 @@ func (x *SubscribeGroupsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubscribeGroupsResponse.ProtoReflect.Descriptor instead.
 func (*SubscribeGroupsResponse) Descriptor() ([]byte, []int) {
-	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{18}
+	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *SubscribeGroupsResponse) GetGroups() []*GroupResult {
@@ -1393,10 +1485,11 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"\x05group\x18\x01 \x01(\v2\x17.sessionrouter.v1.GroupR\x05group\x12#\n" +
 	"\rshared_worker\x18\x02 \x01(\bR\fsharedWorker\x12\x1a\n" +
 	"\breplayed\x18\x03 \x01(\bR\breplayed\x12F\n" +
-	"\x0eplacement_mode\x18\x14 \x01(\x0e2\x1f.sessionrouter.v1.PlacementModeR\rplacementMode\"G\n" +
+	"\x0eplacement_mode\x18\x14 \x01(\x0e2\x1f.sessionrouter.v1.PlacementModeR\rplacementMode\"e\n" +
 	"\x13AbortSessionRequest\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x16\n" +
-	"\x06reason\x18\x02 \x01(\tR\x06reason\"K\n" +
+	"\x06reason\x18\x02 \x01(\tR\x06reason\x12\x1c\n" +
+	"\tretryable\x18\x14 \x01(\bR\tretryable\"K\n" +
 	"\x14AbortSessionResponse\x123\n" +
 	"\asession\x18\x01 \x01(\v2\x19.sessionrouter.v1.SessionR\asession\"-\n" +
 	"\x11GetSessionRequest\x12\x18\n" +
@@ -1429,10 +1522,16 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"\x06detail\x18\x02 \x01(\tR\x06detail\"a\n" +
 	"\tRewardAck\x12\x1a\n" +
 	"\bsequence\x18\x01 \x01(\x04R\bsequence\x128\n" +
-	"\aresults\x18\x02 \x03(\v2\x1e.sessionrouter.v1.RewardResultR\aresults\"\x8a\x01\n" +
+	"\aresults\x18\x02 \x03(\v2\x1e.sessionrouter.v1.RewardResultR\aresults\"\xd0\x01\n" +
 	"\x15SubmitRewardsResponse\x12-\n" +
 	"\x03ack\x18\x01 \x01(\v2\x1b.sessionrouter.v1.RewardAckR\x03ack\x12B\n" +
-	"\rgroup_results\x18\x02 \x03(\v2\x1d.sessionrouter.v1.GroupResultR\fgroupResults\"\x85\x01\n" +
+	"\rgroup_results\x18\x02 \x03(\v2\x1d.sessionrouter.v1.GroupResultR\fgroupResults\x12D\n" +
+	"\freplacements\x18\x14 \x03(\v2 .sessionrouter.v1.MemberReplacedR\freplacements\"\xab\x01\n" +
+	"\x0eMemberReplaced\x12\x19\n" +
+	"\bgroup_id\x18\x01 \x01(\tR\agroupId\x12)\n" +
+	"\x10replaced_session\x18\x02 \x01(\tR\x0freplacedSession\x12;\n" +
+	"\vreplacement\x18\x03 \x01(\v2\x19.sessionrouter.v1.SessionR\vreplacement\x12\x16\n" +
+	"\x06reason\x18\x04 \x01(\tR\x06reason\"\x85\x01\n" +
 	"\x16SubscribeGroupsRequest\x12!\n" +
 	"\fafter_cursor\x18\x01 \x01(\x04R\vafterCursor\x12\x1f\n" +
 	"\vfrom_latest\x18\x02 \x01(\bR\n" +
@@ -1484,7 +1583,7 @@ func file_sessionrouter_v1_session_service_proto_rawDescGZIP() []byte {
 }
 
 var file_sessionrouter_v1_session_service_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_sessionrouter_v1_session_service_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
+var file_sessionrouter_v1_session_service_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_sessionrouter_v1_session_service_proto_goTypes = []any{
 	(PlacementMode)(0),              // 0: sessionrouter.v1.PlacementMode
 	(RewardStatus)(0),               // 1: sessionrouter.v1.RewardStatus
@@ -1505,60 +1604,63 @@ var file_sessionrouter_v1_session_service_proto_goTypes = []any{
 	(*RewardResult)(nil),            // 16: sessionrouter.v1.RewardResult
 	(*RewardAck)(nil),               // 17: sessionrouter.v1.RewardAck
 	(*SubmitRewardsResponse)(nil),   // 18: sessionrouter.v1.SubmitRewardsResponse
-	(*SubscribeGroupsRequest)(nil),  // 19: sessionrouter.v1.SubscribeGroupsRequest
-	(*SubscribeGroupsResponse)(nil), // 20: sessionrouter.v1.SubscribeGroupsResponse
-	nil,                             // 21: sessionrouter.v1.StartSessionRequest.MetadataEntry
-	nil,                             // 22: sessionrouter.v1.StartGroupRequest.MetadataEntry
-	(*GroupOptions)(nil),            // 23: sessionrouter.v1.GroupOptions
-	(*Session)(nil),                 // 24: sessionrouter.v1.Session
-	(*Group)(nil),                   // 25: sessionrouter.v1.Group
-	(GroupState)(0),                 // 26: sessionrouter.v1.GroupState
-	(*GroupResult)(nil),             // 27: sessionrouter.v1.GroupResult
+	(*MemberReplaced)(nil),          // 19: sessionrouter.v1.MemberReplaced
+	(*SubscribeGroupsRequest)(nil),  // 20: sessionrouter.v1.SubscribeGroupsRequest
+	(*SubscribeGroupsResponse)(nil), // 21: sessionrouter.v1.SubscribeGroupsResponse
+	nil,                             // 22: sessionrouter.v1.StartSessionRequest.MetadataEntry
+	nil,                             // 23: sessionrouter.v1.StartGroupRequest.MetadataEntry
+	(*GroupOptions)(nil),            // 24: sessionrouter.v1.GroupOptions
+	(*Session)(nil),                 // 25: sessionrouter.v1.Session
+	(*Group)(nil),                   // 26: sessionrouter.v1.Group
+	(GroupState)(0),                 // 27: sessionrouter.v1.GroupState
+	(*GroupResult)(nil),             // 28: sessionrouter.v1.GroupResult
 }
 var file_sessionrouter_v1_session_service_proto_depIdxs = []int32{
-	21, // 0: sessionrouter.v1.StartSessionRequest.metadata:type_name -> sessionrouter.v1.StartSessionRequest.MetadataEntry
-	23, // 1: sessionrouter.v1.StartSessionRequest.group_options:type_name -> sessionrouter.v1.GroupOptions
+	22, // 0: sessionrouter.v1.StartSessionRequest.metadata:type_name -> sessionrouter.v1.StartSessionRequest.MetadataEntry
+	24, // 1: sessionrouter.v1.StartSessionRequest.group_options:type_name -> sessionrouter.v1.GroupOptions
 	0,  // 2: sessionrouter.v1.StartSessionRequest.placement_mode:type_name -> sessionrouter.v1.PlacementMode
-	24, // 3: sessionrouter.v1.StartSessionResponse.session:type_name -> sessionrouter.v1.Session
+	25, // 3: sessionrouter.v1.StartSessionResponse.session:type_name -> sessionrouter.v1.Session
 	0,  // 4: sessionrouter.v1.StartSessionResponse.placement_mode:type_name -> sessionrouter.v1.PlacementMode
-	22, // 5: sessionrouter.v1.StartGroupRequest.metadata:type_name -> sessionrouter.v1.StartGroupRequest.MetadataEntry
-	23, // 6: sessionrouter.v1.StartGroupRequest.group_options:type_name -> sessionrouter.v1.GroupOptions
+	23, // 5: sessionrouter.v1.StartGroupRequest.metadata:type_name -> sessionrouter.v1.StartGroupRequest.MetadataEntry
+	24, // 6: sessionrouter.v1.StartGroupRequest.group_options:type_name -> sessionrouter.v1.GroupOptions
 	0,  // 7: sessionrouter.v1.StartGroupRequest.placement_mode:type_name -> sessionrouter.v1.PlacementMode
-	25, // 8: sessionrouter.v1.StartGroupResponse.group:type_name -> sessionrouter.v1.Group
+	26, // 8: sessionrouter.v1.StartGroupResponse.group:type_name -> sessionrouter.v1.Group
 	0,  // 9: sessionrouter.v1.StartGroupResponse.placement_mode:type_name -> sessionrouter.v1.PlacementMode
-	24, // 10: sessionrouter.v1.AbortSessionResponse.session:type_name -> sessionrouter.v1.Session
-	24, // 11: sessionrouter.v1.GetSessionResponse.session:type_name -> sessionrouter.v1.Session
-	25, // 12: sessionrouter.v1.GetGroupResponse.group:type_name -> sessionrouter.v1.Group
+	25, // 10: sessionrouter.v1.AbortSessionResponse.session:type_name -> sessionrouter.v1.Session
+	25, // 11: sessionrouter.v1.GetSessionResponse.session:type_name -> sessionrouter.v1.Session
+	26, // 12: sessionrouter.v1.GetGroupResponse.group:type_name -> sessionrouter.v1.Group
 	0,  // 13: sessionrouter.v1.GetGroupResponse.placement_mode:type_name -> sessionrouter.v1.PlacementMode
-	26, // 14: sessionrouter.v1.ListGroupsRequest.state:type_name -> sessionrouter.v1.GroupState
-	25, // 15: sessionrouter.v1.ListGroupsResponse.groups:type_name -> sessionrouter.v1.Group
+	27, // 14: sessionrouter.v1.ListGroupsRequest.state:type_name -> sessionrouter.v1.GroupState
+	26, // 15: sessionrouter.v1.ListGroupsResponse.groups:type_name -> sessionrouter.v1.Group
 	14, // 16: sessionrouter.v1.SubmitRewardsRequest.entries:type_name -> sessionrouter.v1.RewardEntry
 	1,  // 17: sessionrouter.v1.RewardResult.status:type_name -> sessionrouter.v1.RewardStatus
 	16, // 18: sessionrouter.v1.RewardAck.results:type_name -> sessionrouter.v1.RewardResult
 	17, // 19: sessionrouter.v1.SubmitRewardsResponse.ack:type_name -> sessionrouter.v1.RewardAck
-	27, // 20: sessionrouter.v1.SubmitRewardsResponse.group_results:type_name -> sessionrouter.v1.GroupResult
-	27, // 21: sessionrouter.v1.SubscribeGroupsResponse.groups:type_name -> sessionrouter.v1.GroupResult
-	2,  // 22: sessionrouter.v1.SessionService.StartSession:input_type -> sessionrouter.v1.StartSessionRequest
-	4,  // 23: sessionrouter.v1.SessionService.StartGroup:input_type -> sessionrouter.v1.StartGroupRequest
-	6,  // 24: sessionrouter.v1.SessionService.AbortSession:input_type -> sessionrouter.v1.AbortSessionRequest
-	8,  // 25: sessionrouter.v1.SessionService.GetSession:input_type -> sessionrouter.v1.GetSessionRequest
-	10, // 26: sessionrouter.v1.SessionService.GetGroup:input_type -> sessionrouter.v1.GetGroupRequest
-	12, // 27: sessionrouter.v1.SessionService.ListGroups:input_type -> sessionrouter.v1.ListGroupsRequest
-	15, // 28: sessionrouter.v1.SessionService.SubmitRewards:input_type -> sessionrouter.v1.SubmitRewardsRequest
-	19, // 29: sessionrouter.v1.SessionService.SubscribeGroups:input_type -> sessionrouter.v1.SubscribeGroupsRequest
-	3,  // 30: sessionrouter.v1.SessionService.StartSession:output_type -> sessionrouter.v1.StartSessionResponse
-	5,  // 31: sessionrouter.v1.SessionService.StartGroup:output_type -> sessionrouter.v1.StartGroupResponse
-	7,  // 32: sessionrouter.v1.SessionService.AbortSession:output_type -> sessionrouter.v1.AbortSessionResponse
-	9,  // 33: sessionrouter.v1.SessionService.GetSession:output_type -> sessionrouter.v1.GetSessionResponse
-	11, // 34: sessionrouter.v1.SessionService.GetGroup:output_type -> sessionrouter.v1.GetGroupResponse
-	13, // 35: sessionrouter.v1.SessionService.ListGroups:output_type -> sessionrouter.v1.ListGroupsResponse
-	18, // 36: sessionrouter.v1.SessionService.SubmitRewards:output_type -> sessionrouter.v1.SubmitRewardsResponse
-	20, // 37: sessionrouter.v1.SessionService.SubscribeGroups:output_type -> sessionrouter.v1.SubscribeGroupsResponse
-	30, // [30:38] is the sub-list for method output_type
-	22, // [22:30] is the sub-list for method input_type
-	22, // [22:22] is the sub-list for extension type_name
-	22, // [22:22] is the sub-list for extension extendee
-	0,  // [0:22] is the sub-list for field type_name
+	28, // 20: sessionrouter.v1.SubmitRewardsResponse.group_results:type_name -> sessionrouter.v1.GroupResult
+	19, // 21: sessionrouter.v1.SubmitRewardsResponse.replacements:type_name -> sessionrouter.v1.MemberReplaced
+	25, // 22: sessionrouter.v1.MemberReplaced.replacement:type_name -> sessionrouter.v1.Session
+	28, // 23: sessionrouter.v1.SubscribeGroupsResponse.groups:type_name -> sessionrouter.v1.GroupResult
+	2,  // 24: sessionrouter.v1.SessionService.StartSession:input_type -> sessionrouter.v1.StartSessionRequest
+	4,  // 25: sessionrouter.v1.SessionService.StartGroup:input_type -> sessionrouter.v1.StartGroupRequest
+	6,  // 26: sessionrouter.v1.SessionService.AbortSession:input_type -> sessionrouter.v1.AbortSessionRequest
+	8,  // 27: sessionrouter.v1.SessionService.GetSession:input_type -> sessionrouter.v1.GetSessionRequest
+	10, // 28: sessionrouter.v1.SessionService.GetGroup:input_type -> sessionrouter.v1.GetGroupRequest
+	12, // 29: sessionrouter.v1.SessionService.ListGroups:input_type -> sessionrouter.v1.ListGroupsRequest
+	15, // 30: sessionrouter.v1.SessionService.SubmitRewards:input_type -> sessionrouter.v1.SubmitRewardsRequest
+	20, // 31: sessionrouter.v1.SessionService.SubscribeGroups:input_type -> sessionrouter.v1.SubscribeGroupsRequest
+	3,  // 32: sessionrouter.v1.SessionService.StartSession:output_type -> sessionrouter.v1.StartSessionResponse
+	5,  // 33: sessionrouter.v1.SessionService.StartGroup:output_type -> sessionrouter.v1.StartGroupResponse
+	7,  // 34: sessionrouter.v1.SessionService.AbortSession:output_type -> sessionrouter.v1.AbortSessionResponse
+	9,  // 35: sessionrouter.v1.SessionService.GetSession:output_type -> sessionrouter.v1.GetSessionResponse
+	11, // 36: sessionrouter.v1.SessionService.GetGroup:output_type -> sessionrouter.v1.GetGroupResponse
+	13, // 37: sessionrouter.v1.SessionService.ListGroups:output_type -> sessionrouter.v1.ListGroupsResponse
+	18, // 38: sessionrouter.v1.SessionService.SubmitRewards:output_type -> sessionrouter.v1.SubmitRewardsResponse
+	21, // 39: sessionrouter.v1.SessionService.SubscribeGroups:output_type -> sessionrouter.v1.SubscribeGroupsResponse
+	32, // [32:40] is the sub-list for method output_type
+	24, // [24:32] is the sub-list for method input_type
+	24, // [24:24] is the sub-list for extension type_name
+	24, // [24:24] is the sub-list for extension extendee
+	0,  // [0:24] is the sub-list for field type_name
 }
 
 func init() { file_sessionrouter_v1_session_service_proto_init() }
@@ -1576,7 +1678,7 @@ func file_sessionrouter_v1_session_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_sessionrouter_v1_session_service_proto_rawDesc), len(file_sessionrouter_v1_session_service_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   21,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -112,7 +112,9 @@ class _GroupStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GroupState
     deadline: its advantages are on the feed.
     """
     GROUP_STATE_DROPPED: _GroupState.ValueType  # 3
-    """Too few rewarded members at the deadline: no advantages; the feed says so."""
+    """Too few rewarded members at the end (the deadline, or the moment its remaining members
+    were all aborted or lost): no advantages; the feed says so.
+    """
 
 class GroupState(_GroupState, metaclass=_GroupStateEnumTypeWrapper):
     """Life cycle of a group."""
@@ -126,7 +128,9 @@ GROUP_STATE_FINALIZED: GroupState.ValueType  # 2
 deadline: its advantages are on the feed.
 """
 GROUP_STATE_DROPPED: GroupState.ValueType  # 3
-"""Too few rewarded members at the deadline: no advantages; the feed says so."""
+"""Too few rewarded members at the end (the deadline, or the moment its remaining members
+were all aborted or lost): no advantages; the feed says so.
+"""
 Global___GroupState: _TypeAlias = GroupState  # noqa: Y015
 
 class _GroupOutcome:
@@ -278,6 +282,8 @@ class Session(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     SHARES_WORKER_FIELD_NUMBER: _builtins.int
     FILTER_METRIC_FIELD_NUMBER: _builtins.int
+    REPLACES_FIELD_NUMBER: _builtins.int
+    REPLACED_BY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """`groups/{group_id}/sessions/{index}`."""
     group_id: _builtins.str
@@ -291,8 +297,11 @@ class Session(_message.Message):
     state: Global___SessionState.ValueType
     worker_lost: _builtins.bool
     """True when the session's worker went unhealthy or was deregistered while the session was
-    open. A reward can still arrive for it; if none does before the group's deadline, the
-    session is left out of the group's statistics.
+    open. A reward can still arrive for it while its group is open; if none does, the
+    session is left out of the group's statistics. A group whose open members are all lost
+    (the others rewarded or aborted) has nothing left to wait for and is finalized at once
+    (PARTIAL or DROPPED), not at its deadline; with GroupOptions.replace_lost the member is
+    replaced instead.
     """
     reward: _builtins.float
     """The accepted reward, present when state is SESSION_STATE_REWARDED."""
@@ -306,6 +315,14 @@ class Session(_message.Message):
     """
     filter_metric: _builtins.float
     """The filter metric given with the accepted reward (RewardEntry.filter_metric), if any."""
+    replaces: _builtins.str
+    """Set on a replacement member (GroupOptions.replace_lost): the name of the member it
+    replaces.
+    """
+    replaced_by: _builtins.str
+    """Set on a replaced member: the name of the member that replaces it. A replaced member is
+    aborted (SESSION_STATE_ABORTED) and leaves the group's statistics.
+    """
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Caller metadata given at start. At most 32 entries; keys at most 64 characters, values
@@ -331,10 +348,12 @@ class Session(_message.Message):
         create_time: _timestamp_pb2.Timestamp | None = ...,
         shares_worker: _builtins.bool = ...,
         filter_metric: _builtins.float | None = ...,
+        replaces: _builtins.str = ...,
+        replaced_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "_reward", b"_reward", "create_time", b"create_time", "filter_metric", b"filter_metric", "reward", b"reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "_reward", b"_reward", "create_time", b"create_time", "filter_metric", b"filter_metric", "group_id", b"group_id", "index", b"index", "metadata", b"metadata", "name", b"name", "request_id", b"request_id", "reward", b"reward", "shares_worker", b"shares_worker", "state", b"state", "task_id", b"task_id", "worker_address", b"worker_address", "worker_id", b"worker_id", "worker_lost", b"worker_lost"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "_reward", b"_reward", "create_time", b"create_time", "filter_metric", b"filter_metric", "group_id", b"group_id", "index", b"index", "metadata", b"metadata", "name", b"name", "replaced_by", b"replaced_by", "replaces", b"replaces", "request_id", b"request_id", "reward", b"reward", "shares_worker", b"shares_worker", "state", b"state", "task_id", b"task_id", "worker_address", b"worker_address", "worker_id", b"worker_id", "worker_lost", b"worker_lost"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__filter_metric: _TypeAlias = _typing.Literal["filter_metric"]  # noqa: Y015
     _WhichOneofArgType__filter_metric: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric"]  # noqa: Y015
@@ -431,6 +450,7 @@ class GroupOptions(_message.Message):
     MIN_MEMBERS_FIELD_NUMBER: _builtins.int
     MAX_MEMBERS_PER_WORKER_FIELD_NUMBER: _builtins.int
     SELECTOR_FIELD_NUMBER: _builtins.int
+    REPLACE_LOST_FIELD_NUMBER: _builtins.int
     min_members: _builtins.int
     """Least number of rewarded members for a group that expires, or whose remaining members
     were aborted, to be finalized as partial instead of dropped. Zero means the server
@@ -441,6 +461,15 @@ class GroupOptions(_message.Message):
     Unset means the fair share `ceil(group_size * worker capacity / eligible capacity of
     the pool)`, at least 1. Either way bounded by the worker's free slots. Zero, or a cap
     with another placement mode, is INVALID_ARGUMENT.
+    """
+    replace_lost: _builtins.bool
+    """When a member's worker is lost (unhealthy or deregistered while the member is open), or
+    a member is aborted with `retryable`, start a replacement member in the same group: a
+    new index, on a worker the group does not use yet when there is one (STRICT: only
+    then). The group keeps its size and its deadline; every open SubmitRewards stream is
+    told (`replacements`), and both members name each other (Session.replaces,
+    replaced_by). At most group_size replacements per group. Without it a lost member
+    stays in the group until a reward or the deadline.
     """
     @_builtins.property
     def estimator(self) -> Global___EstimatorConfig:
@@ -468,10 +497,11 @@ class GroupOptions(_message.Message):
         min_members: _builtins.int = ...,
         max_members_per_worker: _builtins.int | None = ...,
         selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        replace_lost: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_members_per_worker", b"_max_members_per_worker", "deadline", b"deadline", "estimator", b"estimator", "max_members_per_worker", b"max_members_per_worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_members_per_worker", b"_max_members_per_worker", "deadline", b"deadline", "estimator", b"estimator", "max_members_per_worker", b"max_members_per_worker", "min_members", b"min_members", "selector", b"selector"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_members_per_worker", b"_max_members_per_worker", "deadline", b"deadline", "estimator", b"estimator", "max_members_per_worker", b"max_members_per_worker", "min_members", b"min_members", "replace_lost", b"replace_lost", "selector", b"selector"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_members_per_worker: _TypeAlias = _typing.Literal["max_members_per_worker"]  # noqa: Y015
     _WhichOneofArgType__max_members_per_worker: _TypeAlias = _typing.Literal["_max_members_per_worker", b"_max_members_per_worker"]  # noqa: Y015
@@ -572,6 +602,7 @@ class GroupResult(_message.Message):
     EXCLUDED_SESSIONS_FIELD_NUMBER: _builtins.int
     FINALIZE_TIME_FIELD_NUMBER: _builtins.int
     FILTER_METRICS_FIELD_NUMBER: _builtins.int
+    REPLACED_SESSIONS_FIELD_NUMBER: _builtins.int
     cursor: _builtins.int
     """Position on the completed-group feed: strictly increasing, starting at 1, no gaps."""
     group_id: _builtins.str
@@ -618,6 +649,12 @@ class GroupResult(_message.Message):
         unless every counted member's reward carried one.
         """
 
+    @_builtins.property
+    def replaced_sessions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Members that were replaced (GroupOptions.replace_lost); they are also in
+        `excluded_sessions`.
+        """
+
     def __init__(
         self,
         *,
@@ -636,10 +673,11 @@ class GroupResult(_message.Message):
         excluded_sessions: _abc.Iterable[_builtins.str] | None = ...,
         finalize_time: _timestamp_pb2.Timestamp | None = ...,
         filter_metrics: _abc.Iterable[_builtins.float] | None = ...,
+        replaced_sessions: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["estimator", b"estimator", "finalize_time", b"finalize_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advantages", b"advantages", "cursor", b"cursor", "degenerate", b"degenerate", "estimator", b"estimator", "excluded_sessions", b"excluded_sessions", "filter_metrics", b"filter_metrics", "finalize_time", b"finalize_time", "group_id", b"group_id", "group_size", b"group_size", "mean", b"mean", "outcome", b"outcome", "rewards", b"rewards", "sessions", b"sessions", "std", b"std", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advantages", b"advantages", "cursor", b"cursor", "degenerate", b"degenerate", "estimator", b"estimator", "excluded_sessions", b"excluded_sessions", "filter_metrics", b"filter_metrics", "finalize_time", b"finalize_time", "group_id", b"group_id", "group_size", b"group_size", "mean", b"mean", "outcome", b"outcome", "replaced_sessions", b"replaced_sessions", "rewards", b"rewards", "sessions", b"sessions", "std", b"std", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

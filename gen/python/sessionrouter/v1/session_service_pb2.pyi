@@ -346,19 +346,25 @@ class AbortSessionRequest(_message.Message):
 
     SESSION_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    RETRYABLE_FIELD_NUMBER: _builtins.int
     session: _builtins.str
     """`groups/{group_id}/sessions/{index}`."""
     reason: _builtins.str
     """Why, for logs; at most 1024 characters."""
+    retryable: _builtins.bool
+    """The caller deems the failure worth retrying: when the group has
+    GroupOptions.replace_lost, a replacement member is started (see there).
+    """
     def __init__(
         self,
         *,
         session: _builtins.str = ...,
         reason: _builtins.str = ...,
+        retryable: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "session", b"session"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "retryable", b"retryable", "session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -643,6 +649,7 @@ class SubmitRewardsResponse(_message.Message):
 
     ACK_FIELD_NUMBER: _builtins.int
     GROUP_RESULTS_FIELD_NUMBER: _builtins.int
+    REPLACEMENTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ack(self) -> Global___RewardAck:
         """Present when this message answers a request; acks come once per request, in request
@@ -655,19 +662,61 @@ class SubmitRewardsResponse(_message.Message):
         never sent before the ack of the request that finalized it (it may share that message).
         """
 
+    @_builtins.property
+    def replacements(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemberReplaced]:
+        """Members replaced since the previous message (GroupOptions.replace_lost), sent to every
+        open SubmitRewards stream: the client that runs the group starts the new member.
+        """
+
     def __init__(
         self,
         *,
         ack: Global___RewardAck | None = ...,
         group_results: _abc.Iterable[_resources_pb2.GroupResult] | None = ...,
+        replacements: _abc.Iterable[Global___MemberReplaced] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "group_results", b"group_results"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "group_results", b"group_results", "replacements", b"replacements"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SubmitRewardsResponse: _TypeAlias = SubmitRewardsResponse  # noqa: Y015
+
+@_typing.final
+class MemberReplaced(_message.Message):
+    """A member of a group was replaced by a new one."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    REPLACED_SESSION_FIELD_NUMBER: _builtins.int
+    REPLACEMENT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.str
+    replaced_session: _builtins.str
+    """The name of the member replaced (now aborted)."""
+    reason: _builtins.str
+    """Why: `worker_lost` or `aborted`."""
+    @_builtins.property
+    def replacement(self) -> _resources_pb2.Session:
+        """The new member, placed and open."""
+
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.str = ...,
+        replaced_session: _builtins.str = ...,
+        replacement: _resources_pb2.Session | None = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["replacement", b"replacement"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "reason", b"reason", "replaced_session", b"replaced_session", "replacement", b"replacement"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MemberReplaced: _TypeAlias = MemberReplaced  # noqa: Y015
 
 @_typing.final
 class SubscribeGroupsRequest(_message.Message):

@@ -74,6 +74,8 @@ class SessionStarted(NamedTuple):
     create_time: float
     """Unix seconds."""
     shared_worker: bool
+    replaces: int = -1
+    """Index of the member this one replaces; -1 for an original member."""
 
 
 class RequestSaved(NamedTuple):
@@ -123,6 +125,8 @@ class GroupFinalized(NamedTuple):
     """Indices of the members in ``result.sessions``, in order."""
     excluded: tuple[int, ...]
     """Indices of the members in ``result.excluded_sessions``, in order."""
+    replaced: tuple[int, ...] = ()
+    """Indices of the members in ``result.replaced_sessions``, in order."""
 
 
 Event = (
@@ -171,6 +175,7 @@ def session_started(group: GroupRecord, session: SessionRecord) -> SessionStarte
         session.metadata,
         session.create_time,
         session.shared_worker,
+        session.replaces,
     )
 
 

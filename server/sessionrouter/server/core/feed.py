@@ -56,6 +56,8 @@ class GroupResult:
     """Unix seconds."""
     filter_metrics: NDArray[np.float64] = field(default_factory=lambda: _NO_METRICS)
     """(n,) aligned with ``sessions`` when every counted member gave one; else (0,)."""
+    replaced_sessions: tuple[str, ...] = ()
+    """Members replaced by another (``replace_lost``); also in ``excluded_sessions``."""
 
 
 class GroupFeed:

@@ -179,6 +179,7 @@ class GroupFinalizer:
                 excluded_sessions=tuple(s.name for s in finished.excluded),
                 finalize_time=finished.finalize_time,
                 filter_metrics=metrics,
+                replaced_sessions=tuple(s.name for s in finished.excluded if s.replaced_by >= 0),
             )
             if self.journal is None:
                 self._publish(result, finished)
@@ -189,6 +190,7 @@ class GroupFinalizer:
                         result,
                         tuple(s.index for s in finished.counted),
                         tuple(s.index for s in finished.excluded),
+                        tuple(s.index for s in finished.excluded if s.replaced_by >= 0),
                     )
                 )
                 self._unpublished.append((result, finished))

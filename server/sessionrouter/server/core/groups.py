@@ -65,6 +65,10 @@ class SessionRecord:
     reward: float | None = None
     filter_metric: float | None = None
     """The raw task outcome given with the reward, if any (decides degenerate)."""
+    replaces: int = -1
+    """Index of the member this one replaces; -1 for an original member."""
+    replaced_by: int = -1
+    """Index of the member that replaced this one; -1 if not replaced."""
 
     @property
     def name(self) -> str:
@@ -99,6 +103,8 @@ class GroupRecord:
     cursor: int = 0
     """Position of the group's result on the feed; 0 until published."""
     request_ids: list[str] = field(default_factory=list)
+    replaced: int = 0
+    """Members replaced (each is aborted and has one more member after it)."""
 
     @property
     def name(self) -> str:
@@ -106,7 +112,16 @@ class GroupRecord:
 
     @property
     def full(self) -> bool:
-        return len(self.members) >= self.size
+        """Every one of the ``size`` places is taken (a replaced member's by its replacement)."""
+        return len(self.members) - self.replaced >= self.size
+
+    @property
+    def stranded(self) -> bool:
+        """Full, and no member left that a reward may still come for: each is rewarded,
+        aborted or lost. Nothing to wait for but the deadline, so it finishes now."""
+        return self.full and not any(
+            s.state is SessionState.OPEN and not s.worker_lost for s in self.members
+        )
 
     def shares_worker(self, session: SessionRecord) -> bool:
         """True when another member of this group was placed on ``session``'s worker (earlier
@@ -121,7 +136,7 @@ class GroupRecord:
     @property
     def settled(self) -> bool:
         """Every member joined and each has a reward or was aborted: nothing to wait for."""
-        return self.full and self.rewarded + self.aborted == self.size
+        return self.full and self.rewarded + self.aborted == len(self.members)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ internals.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import math
@@ -39,6 +40,7 @@ from sessionrouter.server.core.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
+    ResourceExhausted,
     Unavailable,
 )
 from sessionrouter.server.core.estimators import validate_params
@@ -65,11 +67,11 @@ from sessionrouter.server.core.groups import (
     SessionRecord,
     SessionState,
 )
-from sessionrouter.server.core.placement import choose_worker
+from sessionrouter.server.core.placement import PlacementMode, PlacementPolicy, choose_worker
 from sessionrouter.server.core.recovery import RestoreSummary, rebuild
 from sessionrouter.server.core.rewards import ACCEPTED, RewardOutcome, RewardStatus
 from sessionrouter.server.core.settings import RouterSettings, RouterSnapshot, RouterStats
-from sessionrouter.server.core.streams import StreamOrigin
+from sessionrouter.server.core.streams import MemberReplaced, RewardFlow, StreamOrigin
 from sessionrouter.server.core.validation import (
     REASON_MAX_LEN,
     check_id,
@@ -120,6 +122,9 @@ class SessionRouter:
         self._deadlines: list[tuple[float, int, str]] = []
         self.stats = RouterStats()
         self._accepting = True
+        self.reward_flows: set[RewardFlow] = set()
+        """Open SubmitRewards streams (the transport adds and removes them): where
+        replacement notices go."""
 
     # -- the router's life -----------------------------------------------------------------
 
@@ -233,13 +238,20 @@ class SessionRouter:
             )
 
     def _on_worker_lost(self, worker: WorkerRecord, sessions: set[SessionKey]) -> None:
-        for group_id, index in sessions:
+        touched: dict[str, GroupRecord] = {}
+        for group_id, index in sorted(sessions):
             group = self.groups.find(group_id)
             session = self.groups.find_session(group_id, index)
             if group is not None and session is not None and session.state is SessionState.OPEN:
                 session.worker_lost = True
                 if self.journal is not None:
                     self.journal.append(SessionLost(group.seq, index))
+                if group.state is GroupState.OPEN:
+                    self._replace(group, session, "worker_lost")
+                    touched[group_id] = group
+        for group in touched.values():
+            if group.state is GroupState.OPEN and (group.settled or group.stranded):
+                self._finish(group, None)
         log.warning(
             "worker lost",
             extra={
@@ -393,6 +405,7 @@ class SessionRouter:
         group: GroupRecord,
         request_id: str,
         metadata: dict[str, str],
+        policy: PlacementPolicy | None = None,
     ) -> SessionRecord:
         choice = choose_worker(
             self.workers,
@@ -400,7 +413,7 @@ class SessionRouter:
             group.size,
             group.members_per_worker,
             group.members[-1].worker_id if group.members else "",
-            group.settings.placement,
+            policy or group.settings.placement,
             self.settings.retry_after_s,
         )
         worker = choice.worker
@@ -426,6 +439,43 @@ class SessionRouter:
             self.stats.sessions_distinct += 1
         return session
 
+    def _replace(self, group: GroupRecord, old: SessionRecord, reason: str) -> None:
+        """Starts a replacement for ``old`` when the group asked for it (``replace_lost``),
+        on a worker the group does not use yet when possible (STRICT: only then); ``old``
+        leaves the group (aborted). Nothing happens when no worker can take it, or after
+        ``size`` replacements: ``old`` then stays as it is."""
+        policy = group.settings.placement
+        if not policy.replace_lost or group.replaced >= group.size or old.replaced_by >= 0:
+            return
+        mode = PlacementMode.STRICT if policy.mode is PlacementMode.STRICT else PlacementMode.SPREAD
+        try:
+            new = self._place_member(
+                group, "", dict(old.metadata), dataclasses.replace(policy, mode=mode)
+            )
+        except (Unavailable, ResourceExhausted) as error:
+            log.warning(
+                "member not replaced",
+                extra={"event": "member_not_replaced", "session": old.name, "error": error.reason},
+            )
+            return
+        new.replaces, old.replaced_by = old.index, new.index
+        group.replaced += 1
+        if old.state is SessionState.OPEN:
+            old.state = SessionState.ABORTED
+            group.aborted += 1
+            self.workers.release_session(old.worker_id, old.key)
+            if self.journal is not None:
+                self.journal.append(SessionAborted(group.seq, old.index))
+        if self.journal is not None:
+            self.journal.append(session_started(group, new))
+        notice = MemberReplaced(group.group_id, old.name, new, group, reason)
+        for flow in self.reward_flows:
+            flow.notify(notice)
+        log.info(
+            "member replaced",
+            extra={"event": "member_replaced", "session": old.name, "replacement": new.name},
+        )
+
     # -- sessions and groups ---------------------------------------------------------------
 
     def get_session(self, name: str) -> SessionRecord:
@@ -446,8 +496,9 @@ class SessionRouter:
         those in ``state``), and the seq to continue after (0: no more)."""
         return self.groups.page(limit, after_seq, state)
 
-    def abort_session(self, name: str, reason: str) -> SessionRecord:
-        """Ends a session early: frees its slot; it leaves the group's statistics."""
+    def abort_session(self, name: str, reason: str, retryable: bool = False) -> SessionRecord:
+        """Ends a session early: frees its slot; it leaves the group's statistics. With
+        ``retryable``, a group with ``replace_lost`` gets a replacement member."""
         check_text("reason", reason, REASON_MAX_LEN, required=False)
         session = self.get_session(name)
         group = self.groups.get(session.group_id)
@@ -473,7 +524,9 @@ class SessionRouter:
         log.info(
             "session aborted", extra={"event": "session_aborted", "session": name, "reason": reason}
         )
-        if group.settled:
+        if retryable:
+            self._replace(group, session, "aborted")
+        if group.settled or group.stranded:
             self._finish(group, None)
         return session
 

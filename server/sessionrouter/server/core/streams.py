@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 from sessionrouter.server.core.errors import InvalidArgument
 from sessionrouter.server.core.feed import GroupResult
+from sessionrouter.server.core.groups import GroupRecord, SessionRecord
 from sessionrouter.server.core.rewards import RewardOutcome
 
 MAX_ENTRIES_PER_REQUEST = 4096
@@ -52,7 +53,20 @@ class RewardAck:
     results: Sequence[RewardOutcome]
 
 
-StreamEvent = RewardAck | GroupResult
+@dataclass(frozen=True, slots=True)
+class MemberReplaced:
+    """A member replaced by a new one (a group with ``replace_lost``); sent on every open
+    reward stream."""
+
+    group_id: str
+    replaced_session: str
+    replacement: SessionRecord
+    group: GroupRecord
+    reason: str
+    """``worker_lost`` or ``aborted``."""
+
+
+StreamEvent = RewardAck | GroupResult | MemberReplaced
 
 Entries = Sequence[tuple[str, float] | tuple[str, float, float]]
 """(session name, reward) or (session name, reward, filter metric) of one request."""
@@ -194,6 +208,12 @@ class RewardFlow:
             self._events.append(result)
         else:
             self._held.append((request_number, result))
+        self._ready.set()
+
+    def notify(self, notice: MemberReplaced) -> None:
+        """Queues a replacement notice: it goes out with the next message, in no order
+        relative to acks and results."""
+        self._events.append(notice)
         self._ready.set()
 
     def end_input(self) -> None:

@@ -312,6 +312,8 @@ class WorkerRegistry:
             was_eligible = worker.eligible
             worker.healthy = False
             self._changed(worker, was_eligible)
+        # Only once all are marked: a replacement never goes to a worker expiring now.
+        for worker in expired:
             if worker.open_sessions and self.on_worker_lost is not None:
                 self.on_worker_lost(worker, set(worker.open_sessions))
         for worker in self._workers.values():

@@ -75,6 +75,7 @@ def result_columns(ev: GroupFinalized) -> tuple[Any, ...]:
         int(r.degenerate),
         r.finalize_time,
         floats_bytes(r.filter_metrics),
+        indices_bytes(ev.replaced),
     )
 
 
@@ -94,6 +95,7 @@ def result_from_columns(
         degenerate,
         finalized,
         metrics,
+        replaced,
     ) = columns
     gid = created.group_id
     indices = np.frombuffer(counted, INDICES).tolist()
@@ -115,5 +117,8 @@ def result_from_columns(
         ),
         finalize_time=float(finalized),
         filter_metrics=floats(metrics),
+        replaced_sessions=tuple(
+            session_name(gid, i) for i in np.frombuffer(replaced, INDICES).tolist()
+        ),
     )
     return result, indices

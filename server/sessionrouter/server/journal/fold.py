@@ -117,6 +117,7 @@ def fold(
                 0,
                 None,
                 None,
+                ev.replaces,
             ]
         elif isinstance(ev, GroupCreated):
             new_groups[ev.seq] = [*ev, "open", 0, *NO_RESULT]

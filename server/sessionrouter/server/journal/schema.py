@@ -36,7 +36,8 @@ SCHEMA_VERSION = 2
 
 Version 2 added ``groups.placement`` (the group's placement policy),
 ``sessions.filter_metric`` and ``groups.filter_metrics`` (the metric given beside a reward,
-and a result's metrics) and the ``FilterMetricSaved`` log event. A version 1 journal is
+and a result's metrics), the ``FilterMetricSaved`` log event, ``sessions.replaces`` and
+``groups.replaced`` (replacement members and the members they replaced). A version 1 journal is
 refused at start-up with a message naming its file: it holds no placement policies, and its
 groups are better finished by the router version that wrote it than guessed."""
 APPLICATION_ID = 0x53524A31
@@ -139,6 +140,7 @@ GROUP_RESULT_COLUMNS = (
     "degenerate",
     "finalize_time",
     "filter_metrics",
+    "replaced",
 )
 """The trailing columns of ``groups``: what a finalization sets (``state`` and ``cursor`` first)."""
 
@@ -170,6 +172,7 @@ GROUPS = Table(
         "degenerate INTEGER",
         "finalize_time REAL",
         "filter_metrics BLOB",  # float64 little-endian, aligned with counted; empty if none
+        "replaced BLOB",  # uint16 little-endian member indices
     ),
     key=("seq",),
     without_rowid=False,
@@ -190,6 +193,7 @@ SESSIONS = Table(
         "worker_lost INTEGER NOT NULL",
         "reward REAL",
         "filter_metric REAL",
+        "replaces INTEGER NOT NULL",  # index of the member this one replaces, or -1
     ),
     key=("group_seq", "idx"),
 )

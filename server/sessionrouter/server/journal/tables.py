@@ -312,6 +312,7 @@ class JournalTables:
             lost,
             reward,
             metric,
+            replaces,
         ) in con.execute(f"SELECT {SESSIONS.select()} FROM sessions ORDER BY group_seq, idx"):
             if seq != current_seq:
                 current, current_seq = groups.get(seq), seq
@@ -339,6 +340,7 @@ class JournalTables:
                     bool(lost),
                     reward,
                     metric,
+                    replaces,
                 )
             )
         expected = list(range(self.compacted_cursor + 1, self.last_cursor + 1))
