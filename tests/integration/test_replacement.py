@@ -157,3 +157,21 @@ async def test_heartbeat_expiry_replaces_and_the_replacement_survives_a_restart(
         assert group.members[0].state == pb.SESSION_STATE_ABORTED
     finally:
         await stop_harness(h)
+
+
+async def test_the_last_reward_beside_lost_members_finishes_the_group_at_once(
+    harness: Harness,
+) -> None:
+    await register(harness, 2)
+    members = await start_group(harness, 2, replace_lost=False, min_members=1)
+    await harness.workers.DeregisterWorker(
+        wpb.DeregisterWorkerRequest(worker_id=members[0].worker_id)
+    )
+    assert (await get_group(harness)).state == pb.GROUP_STATE_OPEN  # member 1 may still come
+    stream = RewardClient(harness)
+    await stream.send([(members[1].name, 1.0)])
+    await stream.ack()
+    (result,) = await stream.results(1)
+    assert result.outcome == pb.GROUP_OUTCOME_PARTIAL
+    assert list(result.excluded_sessions) == [members[0].name]
+    await stream.close()

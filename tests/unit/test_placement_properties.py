@@ -51,7 +51,11 @@ def _options(data: st.DataObject, mode: PlacementMode, size: int) -> OptionsSpec
     cap = None
     if mode is PlacementMode.PACK and data.draw(st.booleans()):
         cap = data.draw(st.integers(1, size))
-    return OptionsSpec(max_members_per_worker=cap, selector=data.draw(SELECTORS))
+    return OptionsSpec(
+        max_members_per_worker=cap,
+        selector=data.draw(SELECTORS),
+        replace_lost=data.draw(st.booleans()),
+    )
 
 
 class PlacementMachine(RuleBasedStateMachine):
@@ -211,7 +215,7 @@ class PlacementMachine(RuleBasedStateMachine):
     def abort(self, data: st.DataObject) -> None:
         name = data.draw(st.sampled_from(self.sessions))
         try:
-            session = self.router.abort_session(name, "")
+            session = self.router.abort_session(name, "", data.draw(st.booleans()))
         except FailedPrecondition:
             session = self.router.get_session(name)
             group = self.router.groups.get(session.group_id)
@@ -255,7 +259,14 @@ class PlacementMachine(RuleBasedStateMachine):
     @invariant()
     def groups_are_consistent(self) -> None:
         for group in self.router.groups:
-            assert len(group.members) <= group.size
+            assert len(group.members) - group.replaced <= group.size
+            assert group.replaced <= group.size
+            for s in group.members:
+                if s.replaced_by >= 0:  # a replaced member left the group for a later one
+                    assert s.state is SessionState.ABORTED and s.replaced_by > s.index
+                    assert group.members[s.replaced_by].replaces == s.index
+            if group.state is GroupState.OPEN:
+                assert not group.stranded
             assert [s.index for s in group.members] == list(range(len(group.members)))
             assert all(s.task_id == group.task_id for s in group.members)
             assert group.members_per_worker == Counter(s.worker_id for s in group.members)

@@ -592,7 +592,7 @@ class SessionRouter:
             if metric is not None:
                 self.journal.append(FilterMetricSaved(group.seq, session.index, float(metric)))
         self.workers.release_session(session.worker_id, session.key)
-        if group.settled:
+        if group.settled or group.stranded:
             self._finish(group, origin)
         return ACCEPTED
 
@@ -655,6 +655,9 @@ class SessionRouter:
             heapq.heappush(self._deadlines, (group.deadline, group.seq, group.group_id))
         for group in rebuilt.settled:
             self._finish(group, None)
+        for group in rebuilt.open_groups:
+            if group.state is GroupState.OPEN and group.stranded:
+                self._finish(group, None)
         return RestoreSummary(
             workers=len(state.workers),
             groups_open=self.groups.open_groups,
