@@ -68,8 +68,10 @@ def test_bad_values_name_where_they_came_from() -> None:
         env_values({"SESSIONROUTER_GRACE_S": "soon"})
     with pytest.raises(ConfigError, match=r"reducer\.max_batch must be a int"):
         file_values({"reducer": {"max_batch": "many"}})
-    with pytest.raises(ConfigError, match="placement must be 'spread' or 'strict'"):
-        file_values({"placement": "pack"})
+    with pytest.raises(
+        ConfigError, match="placement must be 'spread' or 'strict' or 'pack', got 'packed'"
+    ):
+        file_values({"placement": "packed"})
 
 
 def test_the_readme_settings_table_is_the_generated_one() -> None:

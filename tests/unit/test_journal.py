@@ -67,7 +67,7 @@ def scripted_run(router: SessionRouter, between: Any = lambda: None) -> list[Gro
             options=OptionsSpec(estimator="rloo", deadline_s=100.0),
         )
     )
-    router.start_session(StartSessionCommand("task2", group_id="h", group_size=2, request_id="h0"))
+    router.start_session(StartSessionCommand("task2", group_id="h", group_size=3, request_id="h0"))
     between()
     router.submit_rewards([("groups/g/sessions/0", 1.0), ("groups/g/sessions/1", 0.25)])
     router.abort_session("groups/g/sessions/2", "bad sample")
@@ -76,6 +76,9 @@ def scripted_run(router: SessionRouter, between: Any = lambda: None) -> list[Gro
     router.submit_rewards([("groups/h/sessions/1", 2.0)])
     lost_worker = router.groups.get("h").members[0].worker_id
     router.deregister_worker(lost_worker)
+    # A third member still runs, so the group with a lost member waits (with only lost members
+    # left open it would finish at once).
+    router.start_session(StartSessionCommand("task2", group_id="h", request_id="h2"))
     return results
 
 
@@ -156,7 +159,7 @@ def test_a_restored_router_has_what_the_journaled_one_had(tmp_path: Path) -> Non
     # The deadline counted on while the router was down: 600 s from creation, 50 s gone.
     assert h.deadline == pytest.approx(clock2.monotonic() + 550.0)
     # Request ids replay the same sessions; a different request under one is refused.
-    retry = StartSessionCommand("task2", group_id="h", group_size=2, request_id="h0")
+    retry = StartSessionCommand("task2", group_id="h", group_size=3, request_id="h0")
     replay = restored.start_session(retry)
     assert replay.replayed and replay.session.index == 0
     with pytest.raises(InvalidArgument, match="used before for a different request"):
@@ -178,7 +181,7 @@ def test_a_restored_router_has_what_the_journaled_one_had(tmp_path: Path) -> Non
     assert on_feed.outcome is GroupOutcome.PARTIAL and on_feed.estimator.name == "rloo"
     assert restored.feed.next_cursor() == 2
     assert summary.groups_open == 1 and summary.groups_finished == 1
-    assert summary.open_rewards == 1 and summary.requests == 3
+    assert summary.open_rewards == 1 and summary.requests == 4
     assert summary.finalized_on_restore == 0
     again.close_now()
 

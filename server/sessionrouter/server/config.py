@@ -180,7 +180,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("reducer_max_batch", "--reducer-max-batch", int, _R.reducer_max_batch,
             "reduce at once when this many groups are queued", "reducer.max_batch", "GROUPS"),
     Setting("placement", "--placement", str, _R.placement_mode.value, "server-wide placement"
-            " mode when workers are scarce", "placement", choices=("spread", "strict")),
+            " mode of groups that set none", "placement", choices=("spread", "strict", "pack")),
     Setting("grace_s", "--grace", float, _S.grace_s, "time in-flight calls get on shutdown",
             "grace_s", "SECONDS"),
     Setting("shutdown_delay_s", "--shutdown-delay", float, _S.shutdown_delay_s, "after"
@@ -443,7 +443,7 @@ def build_config(
         placement = PlacementMode(get("placement"))
     except ValueError:
         raise ConfigError(
-            f"placement must be 'spread' or 'strict', got {get('placement')!r}"
+            f"placement must be 'spread', 'strict' or 'pack', got {get('placement')!r}"
         ) from None
     settings = RouterSettings(
         heartbeat_timeout_s=get("heartbeat_timeout_s"),

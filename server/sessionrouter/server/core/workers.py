@@ -82,7 +82,11 @@ _HeapEntry = tuple[float, int, str, int]
 
 def matches(labels: Mapping[str, str], selector: Selector) -> bool:
     """True when ``labels`` carry every (label, value) pair of ``selector``."""
-    return all(labels.get(key) == value for key, value in selector)
+    # A loop, not all(genexpr): this runs for every pool on every change of a worker.
+    for key, value in selector:  # noqa: SIM110
+        if labels.get(key) != value:
+            return False
+    return True
 
 
 def make_selector(labels: Mapping[str, str]) -> Selector:
@@ -384,8 +388,11 @@ class WorkerRegistry:
         limit = 4 * len(self._workers) + 64
         for pool in self._pools.values():
             selector = pool.selector
-            was_in = was_eligible and matches(before_labels, selector)
-            is_in = eligible and matches(labels, selector)
+            match = matches(labels, selector)
+            was_in = was_eligible and (
+                match if before_labels is labels else matches(before_labels, selector)
+            )
+            is_in = eligible and match
             if was_in:
                 pool.eligible_count -= 1
                 pool.eligible_capacity -= before_capacity
