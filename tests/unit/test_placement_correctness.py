@@ -1,9 +1,12 @@
 """Correctness of what placement and finishing feed into: a dropped group stays out of the
-batch std of the groups reduced with it."""
+batch std of the groups reduced with it; a journal without placement policies is refused."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pytest
 
 from sessionrouter.server.core.clock import ManualClock
 from sessionrouter.server.core.estimators import EstimatorParams
@@ -14,6 +17,8 @@ from sessionrouter.server.core.router import (
     SessionRouter,
     StartGroupCommand,
 )
+from sessionrouter.server.journal import JOURNAL_FILE, JournalError, SqliteJournal
+from tests.unit.test_journal import set_meta
 
 
 def test_a_dropped_group_never_enters_the_batch_std() -> None:
@@ -40,3 +45,13 @@ def test_a_dropped_group_never_enters_the_batch_std() -> None:
     assert results["dropped"].outcome is GroupOutcome.DROPPED
     assert results["dropped"].advantages.size == 0
     np.testing.assert_allclose(results["kept"].advantages, [2**-0.5, -(2**-0.5)], rtol=1e-5)
+
+
+def test_a_version_1_journal_is_refused_naming_its_file(tmp_path: Path) -> None:
+    """Schema 2 added the placement policy, filter metrics and replacements; a journal of the
+    previous version is refused, not guessed at."""
+    SqliteJournal(tmp_path).close_now()
+    set_meta(tmp_path / JOURNAL_FILE, "schema_version", 1)
+    with pytest.raises(JournalError, match="schema version 1 is not supported") as info:
+        SqliteJournal(tmp_path)
+    assert str(tmp_path / JOURNAL_FILE) in str(info.value)
