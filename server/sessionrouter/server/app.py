@@ -27,11 +27,13 @@ import time
 from collections import Counter
 from collections.abc import Awaitable
 from pathlib import Path
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client.registry import CollectorRegistry
 
 from sessionrouter.server.auth import RoleAuthInterceptor
 from sessionrouter.server.config import JournalConfig, ServerConfig, WorkerSpec
@@ -41,8 +43,10 @@ from sessionrouter.server.core.router import SessionRouter
 from sessionrouter.server.core.streams import Commit, no_journal
 from sessionrouter.server.journal import JournalError, JournalTables, SqliteJournal, paused_gc
 from sessionrouter.server.journal.writer import OpenTables
-from sessionrouter.server.metrics import RouterCollector, serve_metrics
+from sessionrouter.server.metrics import DomainHistograms, RouterCollector, serve_metrics
+from sessionrouter.server.rpc_metrics import RpcMetricsInterceptor
 from sessionrouter.server.servicer import SessionServicer, WorkerServicer
+from sessionrouter.server.status import Refusals
 from sessionrouter.v1 import session_service_pb2, worker_service_pb2
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
 from sessionrouter.v1 import worker_service_pb2_grpc as wpb_grpc
@@ -65,9 +69,16 @@ class RouterServer:
         config: ServerConfig,
         clock: Clock | None = None,
         open_tables: OpenTables = JournalTables,
+        span_exporter: Any = None,
     ) -> None:
-        """``open_tables`` opens the journal's SQLite tables (tests pass one that fails)."""
+        """``open_tables`` opens the journal's SQLite tables (tests pass one that fails);
+        ``span_exporter`` replaces the OTLP exporter when tracing is on (tests pass an
+        in-memory one)."""
         self.config = config
+        self._span_exporter = span_exporter
+        self._tracer_provider: Any = None
+        self.refusals = Refusals()
+        """Core errors turned into statuses, by reason (logged and exported)."""
         self._open_tables = open_tables
         self.router = SessionRouter(config.router, clock)
         self.commit: Commit = no_journal
@@ -115,12 +126,19 @@ class RouterServer:
             options.append(
                 ("grpc.max_connection_age_grace_ms", int(cfg.max_connection_age_grace_s * 1000))
             )
-        interceptors = [RoleAuthInterceptor(cfg.tokens)] if cfg.tokens is not None else []
+        registry = CollectorRegistry()
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if cfg.metrics_port is not None and cfg.rpc_metrics:  # first: it sees refused calls
+            interceptors.append(RpcMetricsInterceptor(registry))
+        if cfg.tokens is not None:
+            interceptors.append(RoleAuthInterceptor(cfg.tokens))
+        if cfg.tracing:
+            interceptors += self._tracing()
         server = grpc.aio.server(options=options, interceptors=interceptors)
-        self._sessions = SessionServicer(self.router, self._commit)
+        self._sessions = SessionServicer(self.router, self._commit, self.refusals)
         spb_grpc.add_SessionServiceServicer_to_server(self._sessions, server)
         wpb_grpc.add_WorkerServiceServicer_to_server(
-            WorkerServicer(self.router, self._commit), server
+            WorkerServicer(self.router, self._commit, self.refusals), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -134,11 +152,7 @@ class RouterServer:
         if self.port == 0:
             raise OSError(f"could not bind {cfg.listen}")
         if cfg.metrics_port is not None:  # before serving: a taken port fails the start cleanly
-            try:
-                self._metrics, self._metrics_http = serve_metrics(self.router, cfg.metrics_port)
-            except OSError as exc:
-                raise OSError(f"metrics port {cfg.metrics_port}: {exc.strerror}") from None
-            self.metrics_port = int(self._metrics_http.server_address[1])
+            self._serve_metrics(registry)
         await server.start()
         self._server = server
         for name in ("", *SERVICE_NAMES):
@@ -160,6 +174,37 @@ class RouterServer:
             },
         )
         return self.port
+
+    def _serve_metrics(self, registry: CollectorRegistry) -> None:
+        cfg = self.config
+        assert cfg.metrics_port is not None
+        self._metrics = RouterCollector(self.router, self.refusals)
+        registry.register(self._metrics)
+        histograms = DomainHistograms(registry)
+        self.router.on_group_finished = histograms.group_finished
+        if self.journal is not None:
+            self.journal.on_commit = histograms.committed
+        where = f"{cfg.metrics_address}:{cfg.metrics_port}"
+        try:
+            self._metrics_http = serve_metrics(
+                registry, cfg.metrics_port, cfg.metrics_address, cfg.metrics_token
+            )
+        except OSError as exc:
+            raise OSError(f"metrics address {where}: {exc.strerror or exc}") from None
+        self.metrics_port = int(self._metrics_http.server_address[1])
+
+    def _tracing(self) -> list[grpc.aio.ServerInterceptor]:
+        """OpenTelemetry's interceptors; a RuntimeError names the extra when it is missing
+        (the CLI prints it as one line)."""
+        try:
+            from sessionrouter.server import tracing
+        except ImportError as exc:
+            raise RuntimeError(
+                f"tracing needs the otel extra (pip install 'sessionrouter[otel]'): {exc}"
+            ) from None
+        exporter = self._span_exporter or tracing.otlp_exporter(self.config.otlp_endpoint)
+        self._tracer_provider = tracing.tracer_provider(exporter)
+        return tracing.tracing_interceptors(self._tracer_provider)
 
     def _commit(self) -> Awaitable[None]:
         # Not a coroutine: the durability point is the moment of the call (see Commit).
@@ -283,6 +328,8 @@ class RouterServer:
         if self._metrics_http is not None:
             await asyncio.to_thread(self._metrics_http.shutdown)
             self._metrics_http.server_close()
+        if self._tracer_provider is not None:
+            await asyncio.to_thread(self._tracer_provider.shutdown)
         self._stopped.set()
         log.info("stopped", extra={"event": "stopped"})
 

@@ -120,6 +120,16 @@ class ServerConfig:
     tls_client_ca_file: str | None = None
     """With TLS: require a client certificate signed by a CA in this PEM file (mTLS)."""
     metrics_port: int | None = None
+    metrics_address: str = "127.0.0.1"
+    """Host the metrics listener binds; ``0.0.0.0`` (or ``::``) to be scraped from outside."""
+    metrics_token: str | None = None
+    """When set, /metrics answers only ``Authorization: Bearer <token>``."""
+    rpc_metrics: bool = True
+    """Per-RPC latency, status and stream metrics (served only with ``metrics_port``)."""
+    tracing: bool = False
+    """A span per RPC exported over OTLP (needs the ``otel`` extra)."""
+    otlp_endpoint: str | None = None
+    """Where spans go; None: OpenTelemetry's default (``$OTEL_EXPORTER_OTLP_ENDPOINT``)."""
     journal: JournalConfig | None = None
     """None keeps every state in memory: a restart loses it (tests, benchmarks)."""
 
@@ -209,6 +219,19 @@ SETTINGS: tuple[Setting, ...] = (
             "tls_client_ca_file", "FILE"),
     Setting("metrics_port", "--metrics-port", int, None, "serve Prometheus metrics on PORT",
             "metrics_port", "PORT"),
+    Setting("metrics_address", "--metrics-address", str, _S.metrics_address, "host the"
+            " metrics listener binds (0.0.0.0 to be scraped from other hosts)",
+            "metrics_address", "HOST"),
+    Setting("metrics_token_file", "--metrics-token-file", str, None, "/metrics requires"
+            " 'authorization: Bearer <token>', the token read from FILE", "metrics_token_file",
+            "FILE"),
+    Setting("rpc_metrics", "--rpc-metrics", bool, _S.rpc_metrics, "per-RPC latency, status"
+            " code and stream metrics on the metrics listener", "rpc_metrics"),
+    Setting("tracing", "--tracing", bool, _S.tracing, "export a span per RPC over OTLP"
+            " (needs the otel extra)", "tracing.enabled"),
+    Setting("otlp_endpoint", "--otlp-endpoint", str, None, "OTLP/gRPC endpoint for spans"
+            " (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4317)", "tracing.endpoint",
+            "URL"),
     Setting("state_dir", "--state-dir", str, None, "journal state here, durably, and recover"
             f" it on start (default ./{DEFAULT_STATE_DIR})", "journal.state_dir", "DIR"),
     Setting("in_memory", "--in-memory", bool, False, "keep no journal: a restart loses every"
@@ -498,6 +521,11 @@ def build_config(
         tls_key_file=tls_key,
         tls_client_ca_file=client_ca or None,
         metrics_port=get("metrics_port"),
+        metrics_address=get("metrics_address"),
+        metrics_token=_read_token("metrics_token_file", get("metrics_token_file")),
+        rpc_metrics=get("rpc_metrics"),
+        tracing=get("tracing"),
+        otlp_endpoint=get("otlp_endpoint"),
         journal=_journal(src),
     )
     _check_positive("grace_s", config.grace_s)
@@ -527,6 +555,20 @@ def _tokens(src: Sources, token_env: str | None) -> TokenTable | None:
         raise ConfigError(f"auth_token_file {path!r}: {exc.strerror}") from None
     except (CredentialError, UnicodeDecodeError) as exc:
         raise ConfigError(f"auth_token_file {path!r}: {exc}") from None
+
+
+def _read_token(key: str, path: str | None) -> str | None:
+    """The token a file holds (surrounding white space dropped); None without a file. An
+    unreadable or empty file is a ConfigError: a guard that silently opens would be worse."""
+    if not path:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{key} {path!r}: {exc.strerror}") from None
+    if not token:
+        raise ConfigError(f"{key} {path!r} is empty")
+    return token
 
 
 def _journal(src: Sources) -> JournalConfig | None:

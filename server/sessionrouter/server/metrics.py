@@ -1,38 +1,67 @@
-"""Prometheus metrics from counters the core keeps anyway.
+"""Prometheus metrics from counters the core keeps anyway, and the /metrics listener.
 
-The request path pays nothing for metrics (no label lookups, no locks): the core counts in
-plain integers, the event loop copies a snapshot a few times a second (``refresh``), and the
-HTTP thread of prometheus_client only reads that immutable snapshot, never live state.
+The request path pays almost nothing for domain metrics (no label lookups, no locks): the
+core counts in plain integers, the event loop copies a snapshot a few times a second
+(``refresh``), and the HTTP thread of the listener only reads that immutable snapshot, never
+live state. Durations (group completion, journal commits) are observed into histograms
+through hooks the core and the journal call when set (``DomainHistograms``).
+
+The listener binds ``127.0.0.1`` unless told otherwise; bound beyond loopback it can require
+``Authorization: Bearer <token>`` (compared in constant time), so a scrape credential keeps
+the figures (worker counts, refusal reasons) from anyone who can reach the port.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from wsgiref.simple_server import WSGIServer
+import hmac
+import ipaddress
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import start_http_server
+from prometheus_client import Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from sessionrouter.server.core.feed import GroupOutcome
 from sessionrouter.server.core.router import SessionRouter
+from sessionrouter.server.status import Refusals
+
+log = logging.getLogger("sessionrouter.metrics")
+
+_Family = GaugeMetricFamily | CounterMetricFamily
+
+GROUP_COMPLETION_BUCKETS_S = (0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+"""Seconds from a group's creation to its finalization: a rollout takes seconds to minutes;
+the default deadline is 600 s."""
+COMMIT_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 1)
+"""Seconds one journal batch takes to write and fsync."""
+COMMIT_EVENT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384)
+"""Events per journal batch (group commit: one batch holds what the loop appended meanwhile)."""
+COMMIT_BYTE_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
 
 
 class RouterCollector(Collector):
-    """Exposes worker, session, group, reward and feed figures of one router."""
+    """Exposes worker, session, group, reward, refusal and feed figures of one router."""
 
-    def __init__(self, router: SessionRouter) -> None:
+    def __init__(self, router: SessionRouter, refusals: Refusals | None = None) -> None:
         self._router = router
-        self._families: list[GaugeMetricFamily | CounterMetricFamily] = []
+        self._refusals = refusals or Refusals()
+        self._families: list[_Family] = []
         self.refresh()
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[_Family]:
         return iter(self._families)
 
     def refresh(self) -> None:
         """Takes a snapshot; call from the event loop that owns the router."""
         self._families = list(self._snapshot())
 
-    def _snapshot(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def _snapshot(self) -> Iterator[_Family]:
         snap = self._router.snapshot()
         workers = GaugeMetricFamily(
             "sessionrouter_workers", "Registered workers by state", labels=["state"]
@@ -53,7 +82,10 @@ class RouterCollector(Collector):
             value=snap.open_groups,
         )
         sessions = CounterMetricFamily(
-            "sessionrouter_sessions_started", "Sessions placed", labels=["placement"]
+            "sessionrouter_sessions_started",
+            "Sessions placed, by placement spread: distinct (no other member of the group on"
+            " the worker) or shared",
+            labels=["placement"],
         )
         sessions.add_metric(["distinct"], snap.sessions_distinct)
         sessions.add_metric(["shared"], snap.sessions_shared)
@@ -67,9 +99,17 @@ class RouterCollector(Collector):
         groups = CounterMetricFamily(
             "sessionrouter_groups_finished", "Finished groups by outcome", labels=["outcome"]
         )
-        for outcome, count in snap.groups_finished.items():
-            groups.add_metric([outcome.value], count)
+        for outcome in GroupOutcome:
+            groups.add_metric([outcome.value], snap.groups_finished.get(outcome, 0))
         yield groups
+        refusals = CounterMetricFamily(
+            "sessionrouter_refusals",
+            "Calls refused by the router, by reason (ErrorInfo.reason) and gRPC status code",
+            labels=["reason", "code"],
+        )
+        for (reason, code), count in sorted(self._refusals.snapshot().items()):
+            refusals.add_metric([reason, code], count)
+        yield refusals
         yield CounterMetricFamily(
             "sessionrouter_reducer_batches", "Micro-batches reduced", value=snap.reducer_batches
         )
@@ -78,16 +118,126 @@ class RouterCollector(Collector):
             "Cursor of the newest group on the feed",
             value=snap.feed_cursor,
         )
+        yield from self._feed_lag()
+
+    def _feed_lag(self) -> Iterator[_Family]:
+        lags = self._router.feed.lags()
+        yield GaugeMetricFamily(
+            "sessionrouter_feed_subscribers", "Live SubscribeGroups streams", value=len(lags)
+        )
+        per = GaugeMetricFamily(
+            "sessionrouter_feed_subscriber_lag_groups",
+            "Groups published but not yet sent to one subscriber (its stream's id and peer)",
+            labels=["subscription", "peer"],
+        )
+        for sub, lag in lags:
+            per.add_metric([str(sub.subscription_id), sub.peer], lag)
+        yield per
+        yield GaugeMetricFamily(
+            "sessionrouter_feed_max_lag_groups",
+            "Lag of the slowest subscriber, in groups (0 without subscribers)",
+            value=max((lag for _, lag in lags), default=0),
+        )
+
+
+class DomainHistograms:
+    """Histograms the core and the journal feed through hooks (see ``attach``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.group_completion = Histogram(
+            "sessionrouter_group_completion_seconds",
+            "Seconds from a group's creation to its finalization, by outcome",
+            ["outcome"],
+            buckets=GROUP_COMPLETION_BUCKETS_S,
+            registry=registry,
+        )
+        self._completion = {o: self.group_completion.labels(o.value) for o in GroupOutcome}
+        self.commit_seconds = Histogram(
+            "sessionrouter_journal_commit_seconds",
+            "Seconds to write and sync one journal batch",
+            buckets=COMMIT_BUCKETS_S,
+            registry=registry,
+        )
+        self.commit_events = Histogram(
+            "sessionrouter_journal_commit_events",
+            "Events per journal batch (group commit size)",
+            buckets=COMMIT_EVENT_BUCKETS,
+            registry=registry,
+        )
+        self.commit_bytes = Histogram(
+            "sessionrouter_journal_commit_bytes",
+            "Encoded bytes per journal batch",
+            buckets=COMMIT_BYTE_BUCKETS,
+            registry=registry,
+        )
+
+    def group_finished(self, outcome: GroupOutcome, seconds: float) -> None:
+        self._completion[outcome].observe(seconds)
+
+    def committed(self, seconds: float, events: int, size: int) -> None:
+        """Called from the journal's writer thread (prometheus_client is thread-safe)."""
+        self.commit_seconds.observe(seconds)
+        self.commit_events.observe(events)
+        self.commit_bytes.observe(size)
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line per scrape on stderr."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+_App = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+def _bearer_only(app: _App, token: str) -> _App:
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        given = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1")
+        if not hmac.compare_digest(given, expected):
+            start_response(
+                "401 Unauthorized",
+                [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")],
+            )
+            return [b"missing or wrong bearer token\n"]
+        return app(environ, start_response)
+
+    return guarded
 
 
 def serve_metrics(
-    router: SessionRouter, port: int, addr: str = "127.0.0.1"
-) -> tuple[RouterCollector, WSGIServer]:
-    """Serves /metrics over HTTP on ``addr:port`` (0 picks a free port) from a background
-    thread; returns the collector, which the caller refreshes from its event loop, and the
-    HTTP server (its ``server_address`` holds the bound port; ``shutdown()`` stops it)."""
-    collector = RouterCollector(router)
-    registry = CollectorRegistry()
-    registry.register(collector)
-    httpd, _ = start_http_server(port, addr=addr, registry=registry)
-    return collector, httpd
+    registry: CollectorRegistry, port: int, addr: str = "127.0.0.1", token: str | None = None
+) -> WSGIServer:
+    """Serves ``registry`` at /metrics over HTTP on ``addr:port`` (0 picks a free port) from
+    a daemon thread; with ``token``, only to ``Authorization: Bearer <token>``. Returns the
+    HTTP server (``server_address`` holds the bound port; ``shutdown()`` stops it).
+    OSError when the address cannot be bound."""
+    host = addr.strip("[]")
+    family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+    app: _App = make_wsgi_app(registry)
+    if token:
+        app = _bearer_only(app, token)
+    httpd = make_server(host, port, app, Server, handler_class=_QuietHandler)
+    threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
+    if not is_loopback(host) and not token:
+        log.warning(
+            "metrics served beyond loopback without a token",
+            extra={"event": "metrics_unprotected", "address": addr},
+        )
+    return httpd

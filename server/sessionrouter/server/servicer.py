@@ -32,7 +32,7 @@ from sessionrouter.server.core.streams import (
     StreamEvent,
     no_journal,
 )
-from sessionrouter.server.status import to_status
+from sessionrouter.server.status import Refusals
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
 from sessionrouter.v1 import worker_service_pb2 as wpb
@@ -49,17 +49,24 @@ AFTER_CURSOR_HEADER = "sessionrouter-after-cursor"
 """SubscribeGroups response header: the cursor the stream delivers after (decimal)."""
 
 
-async def _abort(context: grpc.aio.ServicerContext[object, object], error: RouterError) -> NoReturn:
-    await context.abort_with_status(to_status(error))
-    raise AssertionError("abort_with_status returned")  # pragma: no cover
+class _Refusing:
+    """What both servicers share: core errors become counted, logged statuses."""
 
+    _commit: Commit
+    _refusals: Refusals
 
-async def _durable(commit: Commit, context: grpc.aio.ServicerContext[object, object]) -> None:
-    """Waits until the call's changes are durable; a failed journal fails the call."""
-    try:
-        await commit()
-    except RouterError as error:
-        await _abort(context, error)
+    async def _abort(
+        self, context: grpc.aio.ServicerContext[object, object], error: RouterError
+    ) -> NoReturn:
+        await context.abort_with_status(self._refusals.status_of(error))
+        raise AssertionError("abort_with_status returned")  # pragma: no cover
+
+    async def _durable(self, context: grpc.aio.ServicerContext[object, object]) -> None:
+        """Waits until the call's changes are durable; a failed journal fails the call."""
+        try:
+            await self._commit()
+        except RouterError as error:
+            await self._abort(context, error)
 
 
 async def _reward_requests(
@@ -111,12 +118,18 @@ def _ack_to_proto(ack: RewardAck) -> spb.RewardAck:
     )
 
 
-class WorkerServicer(wpb_grpc.WorkerServiceServicer):
+class WorkerServicer(_Refusing, wpb_grpc.WorkerServiceServicer):
     """WorkerService over the router's worker registry."""
 
-    def __init__(self, router: SessionRouter, commit: Commit = no_journal) -> None:
+    def __init__(
+        self,
+        router: SessionRouter,
+        commit: Commit = no_journal,
+        refusals: Refusals | None = None,
+    ) -> None:
         self._router = router
         self._commit = commit
+        self._refusals = refusals or Refusals()
 
     async def RegisterWorker(
         self, request: wpb.RegisterWorkerRequest, context: grpc.aio.ServicerContext[object, object]
@@ -126,12 +139,12 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
                 request.worker_id, request.address, request.capacity, dict(request.labels)
             )
         except RouterError as error:
-            await _abort(context, error)
+            await self._abort(context, error)
         reply = wpb.RegisterWorkerResponse(
             worker=convert.worker_to_proto(worker),
             heartbeat_timeout=convert.duration(self._router.settings.heartbeat_timeout_s),
         )
-        await _durable(self._commit, context)
+        await self._durable(context)
         return reply
 
     async def Heartbeat(
@@ -140,7 +153,7 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         try:
             worker = self._router.heartbeat(request.worker_id)
         except RouterError as error:
-            await _abort(context, error)
+            await self._abort(context, error)
         return wpb.HeartbeatResponse(worker=convert.worker_to_proto(worker))
 
     async def DrainWorker(
@@ -149,9 +162,9 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         try:
             worker = self._router.drain_worker(request.worker_id, request.resume)
         except RouterError as error:
-            await _abort(context, error)
+            await self._abort(context, error)
         reply = wpb.DrainWorkerResponse(worker=convert.worker_to_proto(worker))
-        await _durable(self._commit, context)
+        await self._durable(context)
         return reply
 
     async def DeregisterWorker(
@@ -162,11 +175,11 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         try:
             worker, lost = self._router.deregister_worker(request.worker_id)
         except RouterError as error:
-            await _abort(context, error)
+            await self._abort(context, error)
         reply = wpb.DeregisterWorkerResponse(
             worker=convert.worker_to_proto(worker), lost_sessions=lost
         )
-        await _durable(self._commit, context)
+        await self._durable(context)
         return reply
 
     async def GetWorker(
@@ -175,7 +188,7 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         try:
             worker = self._router.get_worker(request.worker_id)
         except RouterError as error:
-            await _abort(context, error)
+            await self._abort(context, error)
         return wpb.GetWorkerResponse(worker=convert.worker_to_proto(worker))
 
     async def ListWorkers(
@@ -184,7 +197,7 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         try:
             after = paging.decode("workers", request.page_token)
         except RouterError as error:
-            await _abort(context, error)
+            await self._abort(context, error)
         workers, last = self._router.list_workers(paging.page_size(request.page_size), after)
         return wpb.ListWorkersResponse(
             workers=[convert.worker_to_proto(w) for w in workers],
@@ -192,15 +205,21 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         )
 
 
-class SessionServicer(spb_grpc.SessionServiceServicer):
+class SessionServicer(_Refusing, spb_grpc.SessionServiceServicer):
     """SessionService over the router core."""
 
-    def __init__(self, router: SessionRouter, commit: Commit = no_journal) -> None:
+    def __init__(
+        self,
+        router: SessionRouter,
+        commit: Commit = no_journal,
+        refusals: Refusals | None = None,
+    ) -> None:
         self._router = router
         self._commit = commit
         self._draining = False
         # The router's own set: it sends replacement notices to the same open streams.
         self._reward_flows: set[RewardFlow] = router.reward_flows
+        self._refusals = refusals or Refusals()
 
     async def StartSession(
         self, request: spb.StartSessionRequest, context: grpc.aio.ServicerContext[object, object]
@@ -208,7 +227,7 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
         try:
             started = self._router.start_session(convert.start_session_from_proto(request))
         except RouterError as error:
-            await _abort(context, error)
+            await self._abort(context, error)
         reply = spb.StartSessionResponse(
             session=convert.session_to_proto(started.session, started.group),
             group_size=started.group.size,
@@ -217,7 +236,7 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
             replayed=started.replayed,
             placement_mode=convert.placement_to_proto(started.group),
         )
-        await _durable(self._commit, context)
+        await self._durable(context)
         return reply
 
     async def StartGroup(
@@ -226,14 +245,14 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
         try:
             started = self._router.start_group(convert.start_group_from_proto(request))
         except RouterError as error:
-            await _abort(context, error)
+            await self._abort(context, error)
         reply = spb.StartGroupResponse(
             group=convert.group_to_proto(started.group),
             shared_worker=started.shared_worker,
             replayed=started.replayed,
             placement_mode=convert.placement_to_proto(started.group),
         )
-        await _durable(self._commit, context)
+        await self._durable(context)
         return reply
 
     async def AbortSession(
@@ -242,11 +261,11 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
         try:
             session = self._router.abort_session(request.session, request.reason, request.retryable)
         except RouterError as error:
-            await _abort(context, error)
+            await self._abort(context, error)
         reply = spb.AbortSessionResponse(
             session=convert.session_to_proto(session, self._router.find_group(session.group_id))
         )
-        await _durable(self._commit, context)
+        await self._durable(context)
         return reply
 
     async def GetSession(
@@ -255,7 +274,7 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
         try:
             session = self._router.get_session(request.session)
         except RouterError as error:
-            await _abort(context, error)
+            await self._abort(context, error)
         return spb.GetSessionResponse(
             session=convert.session_to_proto(session, self._router.find_group(session.group_id))
         )
@@ -266,7 +285,7 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
         try:
             group = self._router.get_group(request.group_id)
         except RouterError as error:
-            await _abort(context, error)
+            await self._abort(context, error)
         return spb.GetGroupResponse(
             group=convert.group_to_proto(group), placement_mode=convert.placement_to_proto(group)
         )
@@ -278,7 +297,7 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
             after = paging.decode_int("groups", request.page_token)
             state = convert.group_state_from_proto(request.state)
         except RouterError as error:
-            await _abort(context, error)
+            await self._abort(context, error)
         found, next_seq = self._router.list_groups(
             paging.page_size(request.page_size), after, state
         )
@@ -293,7 +312,7 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
         context: grpc.aio.ServicerContext[object, object],
     ) -> AsyncIterator[spb.SubmitRewardsResponse]:
         if self._draining:
-            await _abort(context, self._draining_error("reward stream"))
+            await self._abort(context, self._draining_error("reward stream"))
         stream = RewardFlow(self._router.submit_rewards, self._commit)
         self._reward_flows.add(stream)
         reader = asyncio.create_task(stream.read(_reward_requests(request_iterator)))
@@ -303,10 +322,10 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
                     yield response
             if reader.cancelled():
                 # Only drain() cancels a running intake (and so its reader).
-                await _abort(context, self._draining_error("reward stream"))
+                await self._abort(context, self._draining_error("reward stream"))
             error = reader.exception() if reader.done() else None
             if isinstance(error, RouterError):
-                await _abort(context, error)
+                await self._abort(context, error)
         finally:
             self._reward_flows.discard(stream)
             if not reader.done():
@@ -326,27 +345,32 @@ class SessionServicer(spb_grpc.SessionServiceServicer):
         # first group arrives, and where it starts: a client that asked "from latest" resumes
         # from that cursor after a disconnect instead of skipping what it missed.
         await context.send_initial_metadata(((AFTER_CURSOR_HEADER, str(cursor)),))
-        while True:
-            try:
-                batch = feed.read_after(cursor, FEED_READ_BATCH)
-            except RouterError as error:
-                await _abort(context, error)
-            if not batch:
-                if not await feed.wait_beyond(cursor):
-                    await _abort(context, self._draining_error("group feed", cursor))
-                continue
-            cursor = batch[-1].cursor
-            if request.skip_degenerate:
-                kept = [r for r in batch if not r.degenerate]
-                yield spb.SubscribeGroupsResponse(
-                    groups=[convert.result_to_proto(r) for r in kept],
-                    skipped_degenerate=len(batch) - len(kept),
-                    last_cursor=cursor,
-                )
-            else:
-                yield spb.SubscribeGroupsResponse(
-                    groups=[convert.result_to_proto(r) for r in batch], last_cursor=cursor
-                )
+        subscription = feed.subscribe(context.peer(), cursor)
+        try:
+            while True:
+                try:
+                    batch = feed.read_after(cursor, FEED_READ_BATCH)
+                except RouterError as error:
+                    await self._abort(context, error)
+                if not batch:
+                    if not await feed.wait_beyond(cursor):
+                        await self._abort(context, self._draining_error("group feed", cursor))
+                    continue
+                last = batch[-1].cursor
+                if request.skip_degenerate:
+                    kept = [r for r in batch if not r.degenerate]
+                    yield spb.SubscribeGroupsResponse(
+                        groups=[convert.result_to_proto(r) for r in kept],
+                        skipped_degenerate=len(batch) - len(kept),
+                        last_cursor=last,
+                    )
+                else:
+                    yield spb.SubscribeGroupsResponse(
+                        groups=[convert.result_to_proto(r) for r in batch], last_cursor=last
+                    )
+                cursor = subscription.cursor = last
+        finally:
+            feed.unsubscribe(subscription)
 
     def drain(self) -> None:
         """Ends the intake of every SubmitRewards stream, for a graceful shutdown.

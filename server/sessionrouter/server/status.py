@@ -8,12 +8,27 @@ every language know how to read.
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+
 import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from sessionrouter.server.core import errors
+
+log = logging.getLogger("sessionrouter.refusals")
+
+LOGGED_VALUE_MAX = 200
+"""Characters of one error metadata value written to a refusal's log line, at most."""
+_RESERVED_LOG_KEYS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
+    "message",
+    "asctime",
+    "event",
+    "reason",
+    "code",
+}
 
 STATUS_OF: dict[type[errors.RouterError], int] = {
     errors.InvalidArgument: code_pb2.INVALID_ARGUMENT,
@@ -61,3 +76,33 @@ def to_status(error: errors.RouterError) -> grpc.Status:
     status = status_pb2.Status(code=code, message=error.message, details=details)
     converted: grpc.Status = rpc_status.to_status(status)
     return converted
+
+
+class Refusals:
+    """The core errors that became statuses, counted by (reason, code name), and logged.
+
+    Each refusal writes one log line with the error's reason, code and the ids in its
+    metadata (group id, expected and given values...), so an operator can find the caller;
+    the counts are plain integers that the metrics collector copies (``snapshot``)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[tuple[str, str]] = Counter()
+
+    def status_of(self, error: errors.RouterError) -> grpc.Status:
+        """The status for ``error``, counted and logged."""
+        status = to_status(error)
+        code = status.code.name
+        self.counts[(error.reason, code)] += 1
+        fields = {
+            (f"detail_{key}" if key in _RESERVED_LOG_KEYS else key): value[:LOGGED_VALUE_MAX]
+            for key, value in error.metadata.items()
+        }
+        log.info(
+            "refused %s",
+            error.reason,
+            extra={"event": "refused", "reason": error.reason, "code": code, **fields},
+        )
+        return status
+
+    def snapshot(self) -> dict[tuple[str, str], int]:
+        return dict(self.counts)

@@ -60,6 +60,16 @@ class GroupResult:
     """Members replaced by another (``replace_lost``); also in ``excluded_sessions``."""
 
 
+@dataclass(slots=True, eq=False)
+class Subscription:
+    """One live subscriber of the feed, for the lag metrics: ``cursor`` is the newest group
+    handed to its stream (written by the stream's handler after each message)."""
+
+    subscription_id: int
+    peer: str
+    cursor: int
+
+
 class GroupFeed:
     """Ordered, bounded, resumable log of group results."""
 
@@ -72,6 +82,9 @@ class GroupFeed:
         """Cursor of _items[0]."""
         self._changed = asyncio.Event()
         self._closed = False
+        self.subscriptions: dict[int, Subscription] = {}
+        """Live subscribers by id (``subscribe``/``unsubscribe``)."""
+        self._subscription_ids = 0
 
     @property
     def last_cursor(self) -> int:
@@ -157,6 +170,21 @@ class GroupFeed:
                 return False
             await self._changed.wait()
         return True
+
+    def subscribe(self, peer: str, cursor: int) -> Subscription:
+        """Tracks a subscriber reading after ``cursor`` until ``unsubscribe``."""
+        self._subscription_ids += 1
+        sub = Subscription(self._subscription_ids, peer, cursor)
+        self.subscriptions[sub.subscription_id] = sub
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        self.subscriptions.pop(sub.subscription_id, None)
+
+    def lags(self) -> list[tuple[Subscription, int]]:
+        """Each live subscriber and how many published groups it has not been sent yet."""
+        last = self.last_cursor
+        return [(sub, max(0, last - sub.cursor)) for sub in self.subscriptions.values()]
 
     def close(self) -> None:
         """Wakes every subscriber so that it ends its stream (graceful shutdown)."""

@@ -25,7 +25,7 @@ import heapq
 import logging
 import math
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from sessionrouter.server.core.admission import check_joinable, check_start, resolve_options
 from sessionrouter.server.core.clock import Clock, SystemClock
@@ -121,6 +121,9 @@ class SessionRouter:
             self.attach_journal(journal)
         self._deadlines: list[tuple[float, int, str]] = []
         self.stats = RouterStats()
+        self.on_group_finished: Callable[[GroupOutcome, float], None] | None = None
+        """Called with each finished group's outcome and its seconds from creation to
+        finalization (wall clock), for the completion-time histogram; None: not measured."""
         self._accepting = True
         self.reward_flows: set[RewardFlow] = set()
         """Open SubmitRewards streams (the transport adds and removes them): where
@@ -628,9 +631,10 @@ class SessionRouter:
             self.workers.release_session(session.worker_id, session.key)
         self.groups.mark_finished(group)
         self.stats.groups_finished[outcome] += 1
-        self.finalizer.submit(
-            FinishedGroup(group, outcome, counted, excluded, self.clock.wall(), origin)
-        )
+        now = self.clock.wall()
+        if self.on_group_finished is not None:
+            self.on_group_finished(outcome, max(0.0, now - group.create_time))
+        self.finalizer.submit(FinishedGroup(group, outcome, counted, excluded, now, origin))
         log.info(
             "group %s",
             outcome.value,

@@ -20,6 +20,7 @@ import logging
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,9 @@ class SqliteJournal:
         """Called on the loop, once, when a batch cannot be written."""
         self.batches = 0
         """Batches (transactions) written by this process; for tests and benchmarks."""
+        self.on_commit: Callable[[float, int, int], None] | None = None
+        """Called from the writer thread after each batch is durable, with the seconds the
+        write (and its fsync) took, its events and its encoded bytes (metrics)."""
         self._closed = False
         self._thread: threading.Thread | None = None
         self._tables = open_tables(Path(state_dir), sync)
@@ -295,13 +299,17 @@ class SqliteJournal:
 
     def _log_batch(self, batch: Batch) -> None:
         """Makes a batch durable with one statement (see the module docstring)."""
+        started = time.perf_counter()
         batch.events = [
             Finalized.of(e) if isinstance(e, GroupFinalized) else e for e in batch.events
         ]
-        self._last_log_id = self._tables.append_log(batch.encode()) or self._last_log_id
+        row = batch.encode()
+        self._last_log_id = self._tables.append_log(row) or self._last_log_id
         self._unfolded.extend(batch)
         self._durable_events += len(batch)
         self.batches += 1
+        if self.on_commit is not None:
+            self.on_commit(time.perf_counter() - started, len(batch), len(row))
 
     def _fold(self, carry: bool) -> None:
         """Folds the log into the tables; under load (``carry``) the rewards of groups still
