@@ -184,13 +184,14 @@ class RouterServer:
         self.router.on_group_finished = histograms.group_finished
         if self.journal is not None:
             self.journal.on_commit = histograms.committed
-        where = f"{cfg.metrics_address}:{cfg.metrics_port}"
         try:
             self._metrics_http = serve_metrics(
                 registry, cfg.metrics_port, cfg.metrics_address, cfg.metrics_token
             )
         except OSError as exc:
-            raise OSError(f"metrics address {where}: {exc.strerror or exc}") from None
+            raise OSError(
+                f"metrics port {cfg.metrics_port} on {cfg.metrics_address}: {exc.strerror or exc}"
+            ) from None
         self.metrics_port = int(self._metrics_http.server_address[1])
 
     def _tracing(self) -> list[grpc.aio.ServerInterceptor]:

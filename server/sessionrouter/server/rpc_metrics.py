@@ -29,7 +29,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
@@ -60,8 +60,9 @@ reward streams) stay open for minutes or hours."""
 MESSAGE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 """Messages per streaming call."""
 
-_Handler = grpc.RpcMethodHandler[Any, Any]
-_Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[_Handler | None]]
+if TYPE_CHECKING:  # grpc's classes are generic only in its type stubs
+    _Handler = grpc.RpcMethodHandler[Any, Any]
+    _Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[_Handler | None]]
 
 
 class _MethodMetrics:

@@ -11,7 +11,7 @@ extra; nothing here is imported unless tracing is on.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import Message
@@ -24,8 +24,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 GROUP_ATTRIBUTE = "sessionrouter.group_id"
 SESSION_ATTRIBUTE = "sessionrouter.session"
 
-_Handler = grpc.RpcMethodHandler[Any, Any]
-_Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[_Handler | None]]
+if TYPE_CHECKING:  # grpc's classes are generic only in its type stubs
+    _Handler = grpc.RpcMethodHandler[Any, Any]
+    _Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[_Handler | None]]
 
 
 def otlp_exporter(endpoint: str | None) -> SpanExporter:
