@@ -20,9 +20,22 @@ from opentelemetry.instrumentation.grpc import aio_server_interceptor
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.trace import Status, StatusCode
 
 GROUP_ATTRIBUTE = "sessionrouter.group_id"
 SESSION_ATTRIBUTE = "sessionrouter.session"
+STATUS_CODE_ATTRIBUTE = "rpc.grpc.status_code"
+SERVER_FAULTS = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+"""The codes OpenTelemetry's gRPC instrumentation marks as a server span's error."""
 
 if TYPE_CHECKING:  # grpc's classes are generic only in its type stubs
     _Handler = grpc.RpcMethodHandler[Any, Any]
@@ -78,6 +91,19 @@ def _ids_of(message: Any, span: trace.Span) -> None:
         span.set_attribute(SESSION_ATTRIBUTE, session)
 
 
+def _status_of(context: grpc.aio.ServicerContext[Any, Any], span: trace.Span) -> None:
+    """Records the code of a call aborted with ``abort_with_status`` (how every refusal is
+    sent, with its details), which OpenTelemetry's context wrapper does not see: the
+    ``rpc.grpc.status_code`` attribute, and an error status for the codes its own rule
+    counts as server faults (client faults such as INVALID_ARGUMENT leave it unset)."""
+    code = context.code()
+    if code is None:
+        return
+    span.set_attribute(STATUS_CODE_ATTRIBUTE, code.value[0])
+    if code in SERVER_FAULTS:
+        span.set_status(Status(StatusCode.ERROR, f"{code}:{context.details() or ''}"))
+
+
 class SpanAttributesInterceptor(grpc.aio.ServerInterceptor):
     """Puts the group id and session name of unary calls on the current span."""
 
@@ -92,7 +118,11 @@ class SpanAttributesInterceptor(grpc.aio.ServerInterceptor):
         async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             span = trace.get_current_span()
             _ids_of(request, span)
-            reply = await behavior(request, context)  # type: ignore[arg-type]
+            try:
+                reply = await behavior(request, context)  # type: ignore[arg-type]
+            except grpc.aio.AbortError:
+                _status_of(context, span)
+                raise
             _ids_of(reply, span)
             return reply
 
