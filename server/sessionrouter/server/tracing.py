@@ -96,7 +96,7 @@ def _status_of(context: grpc.aio.ServicerContext[Any, Any], span: trace.Span) ->
     sent, with its details), which OpenTelemetry's context wrapper does not see: the
     ``rpc.grpc.status_code`` attribute, and an error status for the codes its own rule
     counts as server faults (client faults such as INVALID_ARGUMENT leave it unset)."""
-    code = context.code()
+    code: grpc.StatusCode | None = context.code()  # None until a code is set (stubs say not)
     if code is None:
         return
     span.set_attribute(STATUS_CODE_ATTRIBUTE, code.value[0])
