@@ -118,6 +118,10 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
             registry=registry,
         )
         self._methods: dict[str, _MethodMetrics] = {}
+        self._wrapped: dict[str, tuple[_Handler, _Handler]] = {}
+        """Method -> (the handler grpc gave, its timed wrapper): the service's handlers are
+        the same objects on every call, so each is wrapped once, not once per call (bounded:
+        only methods the server has get here)."""
 
     async def intercept_service(
         self, continuation: _Continuation, handler_call_details: grpc.HandlerCallDetails
@@ -126,10 +130,15 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:  # unknown method: grpc answers UNIMPLEMENTED itself
             return None
         full = handler_call_details.method
+        cached = self._wrapped.get(full)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
         metrics = self._methods.get(full)
         if metrics is None:
             metrics = self._methods[full] = _MethodMetrics(self, full.lstrip("/"))
-        return _wrapped(handler, metrics)
+        wrapped = _wrapped(handler, metrics)
+        self._wrapped[full] = (handler, wrapped)
+        return wrapped
 
 
 def _code_after(context: grpc.aio.ServicerContext[Any, Any], error: BaseException | None) -> str:
