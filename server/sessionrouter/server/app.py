@@ -171,6 +171,11 @@ class RouterServer:
                 "tls": bool(cfg.tls_cert_file),
                 "client_certificates": bool(cfg.tls_client_ca_file),
                 "tokens": _token_counts(cfg),
+                **(
+                    {"metrics": f"{cfg.metrics_address}:{self.metrics_port}"}
+                    if self._metrics_http is not None
+                    else {}
+                ),
             },
         )
         return self.port
