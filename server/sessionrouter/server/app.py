@@ -195,7 +195,7 @@ class RouterServer:
             )
         except OSError as exc:
             raise OSError(
-                f"metrics port {cfg.metrics_port} on {cfg.metrics_address}: {exc.strerror or exc}"
+                f"metrics port {cfg.metrics_port}: {exc.strerror or exc} ({cfg.metrics_address})"
             ) from None
         self.metrics_port = int(self._metrics_http.server_address[1])
 
