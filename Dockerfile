@@ -40,4 +40,4 @@ EXPOSE 50051 9090
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["sessionrouter"]
 CMD ["serve", "--listen", "0.0.0.0:50051", "--state-dir", "/var/lib/sessionrouter", \
-     "--metrics-port", "9090", "--log-format", "json"]
+     "--metrics-port", "9090", "--metrics-address", "0.0.0.0", "--log-format", "json"]

@@ -2,7 +2,7 @@
 
 The Dockerfile's CMD and the StatefulSet container's args are run as they are written, except
 for what must differ outside a container: the listen address becomes 127.0.0.1:0 (with a port
-file), the state directory a temporary one, and the metrics port 0. The router must report
+file), the state directory a temporary one, and the metrics listener 127.0.0.1:0. The router must report
 SERVING on grpc.health.v1, for the whole server and for the service the readiness probe asks
 about, and exit 0 on SIGTERM, as the kubelet sends it.
 """
@@ -48,6 +48,7 @@ def localized(args: list[str], tmp: Path) -> list[str]:
         "--listen": "127.0.0.1:0",
         "--state-dir": str(tmp / "state"),
         "--metrics-port": "0",
+        "--metrics-address": "127.0.0.1",
     }
     out = []
     for i, arg in enumerate(args):
