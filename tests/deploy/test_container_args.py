@@ -2,9 +2,9 @@
 
 The Dockerfile's CMD and the StatefulSet container's args are run as they are written, except
 for what must differ outside a container: the listen address becomes 127.0.0.1:0 (with a port
-file), the state directory a temporary one, and the metrics listener 127.0.0.1:0. The router must report
-SERVING on grpc.health.v1, for the whole server and for the service the readiness probe asks
-about, and exit 0 on SIGTERM, as the kubelet sends it.
+file), the state directory a temporary one, and the metrics listener 127.0.0.1:0. The router
+must report SERVING on grpc.health.v1, for the whole server and for the service the readiness
+probe asks about, and exit 0 on SIGTERM, as the kubelet sends it.
 """
 
 from __future__ import annotations
