@@ -36,6 +36,7 @@ def test_exported_members() -> None:
         "PermissionDeniedError",
         "PlacementMode",
         "RegisterWorkerResult",
+        "Replacement",
         "ResourceExhaustedError",
         "RetryPolicy",
         "RewardResult",

@@ -32,9 +32,9 @@ import grpc
 
 from sessionrouter.client import _convert
 from sessionrouter.client._errors import InternalError, SessionRouterError
-from sessionrouter.client._feed import FeedRetryHook, follow_feed
+from sessionrouter.client._feed import FeedRetryHook, FeedSkipHook, follow_feed
 from sessionrouter.client._retry import Retrier, RetryPolicy
-from sessionrouter.client._rewards import RewardStream
+from sessionrouter.client._rewards import ReplacementHook, RewardStream
 from sessionrouter.client.types import (
     DeregisterWorkerResult,
     Group,
@@ -330,10 +330,22 @@ class SessionRouterClient:
         return _convert.start_group_result_from_proto(response)
 
     async def abort_session(
-        self, session: str, *, reason: str = "", timeout: float | None = None
+        self,
+        session: str,
+        *,
+        reason: str = "",
+        timeout: float | None = None,
+        retryable: bool = False,
     ) -> Session:
-        """Ends a session early: frees its slot; it leaves its group's statistics."""
-        request = spb.AbortSessionRequest(session=session, reason=reason[:1024])
+        """Ends a session early: frees its slot; it leaves its group's statistics.
+
+        ``retryable`` says the failure is worth another try: in a group with
+        ``GroupOptions.replace_lost`` the router then starts a replacement member and
+        announces it on the reward streams (``reward_stream(on_replacement=...)``).
+        """
+        request = spb.AbortSessionRequest(
+            session=session, reason=reason[:1024], retryable=retryable
+        )
         response = await self._unary(self._sessions.AbortSession, request, timeout)
         return _convert.session_from_proto(response.session)
 
@@ -395,13 +407,15 @@ class SessionRouterClient:
         close_timeout: float | None = 10.0,
         timeout: float | None = None,
         reconnect: bool = True,
+        on_replacement: ReplacementHook | None = None,
     ) -> RewardStream:
         """A long-lived SubmitRewards stream for concurrent submitters; see ``RewardStream``.
 
         ``timeout`` (seconds) is a deadline for the whole stream, reconnects included;
         ``None`` for none. With ``reconnect`` (the default) a stream lost to a restart, a drain
         or a proxy is reopened under the client's retry policy and the unacknowledged entries
-        are resent (safe: a recorded reward comes back DUPLICATE).
+        are resent (safe: a recorded reward comes back DUPLICATE). ``on_replacement`` is
+        called with each ``Replacement`` the router announces (``replace_lost`` groups).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
 
@@ -418,6 +432,7 @@ class SessionRouterClient:
             keep_results=keep_results,
             close_timeout=close_timeout,
             retrier=self._retrier if reconnect else None,
+            on_replacement=on_replacement,
         )
 
     async def submit_rewards(
@@ -425,6 +440,7 @@ class SessionRouterClient:
         rewards: Mapping[str, float] | Iterable[tuple[str, float]],
         *,
         timeout: float | None = None,
+        filter_metrics: Mapping[str, float] | None = None,
     ) -> SubmitRewardsResult:
         """Submits rewards over a short-lived stream and returns their results.
 
@@ -432,9 +448,14 @@ class SessionRouterClient:
         ``group_results`` holds the groups these rewards finalized. Retried on UNAVAILABLE,
         which is safe (a reward recorded by a lost attempt comes back DUPLICATE), but a group
         finalized by a lost attempt is then only on the feed. For many concurrent rollouts
-        prefer one ``reward_stream``.
+        prefer one ``reward_stream``. ``filter_metrics`` maps session names to their filter
+        metric (see ``RewardStream.submit``); sessions not in it are sent without one.
         """
-        entries = list(rewards.items() if isinstance(rewards, Mapping) else rewards)
+        metrics = filter_metrics or {}
+        entries = [
+            (session, reward, metrics.get(session))
+            for session, reward in (rewards.items() if isinstance(rewards, Mapping) else rewards)
+        ]
 
         async def attempt(remaining: float | None) -> SubmitRewardsResult:
             stream = self.reward_stream(
@@ -458,6 +479,8 @@ class SessionRouterClient:
         retry_policy: RetryPolicy | None = None,
         max_failed_connections: int | None = None,
         on_retry: FeedRetryHook | None = None,
+        skip_degenerate: bool = False,
+        on_skipped: FeedSkipHook | None = None,
     ) -> AsyncGenerator[GroupResult, None]:
         """Every finalized or dropped group after ``after_cursor``, then new ones as they come.
 
@@ -470,6 +493,10 @@ class SessionRouterClient:
         ``max_failed_connections`` consecutive connections fail; every retry is logged and
         passed to ``on_retry(failures, error, delay, cursor)``. It never ends by itself; break
         out of the loop (or ``aclose()`` it, or cancel the task) to stop.
+
+        ``skip_degenerate=True`` asks the router to leave out degenerate groups (all rewards,
+        or all filter metrics, equal: nothing to learn from); ``on_skipped(count,
+        last_cursor)`` hears how many were left out, up to which cursor.
         """
         retrier = self._retrier if retry_policy is None else Retrier(retry_policy)
 
@@ -485,6 +512,8 @@ class SessionRouterClient:
             retrier=retrier,
             max_failed_connections=max_failed_connections,
             on_retry=on_retry,
+            skip_degenerate=skip_degenerate,
+            on_skipped=on_skipped,
         )
 
     # Group helpers ------------------------------------------------------------------------

@@ -258,6 +258,15 @@ def reward_entry_to_proto(
     return entry
 
 
+def replacement_from_proto(msg: session_service_pb2.MemberReplaced) -> types.Replacement:
+    return types.Replacement(
+        group_id=msg.group_id,
+        replaced_session=msg.replaced_session,
+        session=session_from_proto(msg.replacement),
+        reason=msg.reason,
+    )
+
+
 def reward_result_from_proto(msg: session_service_pb2.RewardResult) -> types.RewardResult:
     return types.RewardResult(
         status=_enum_from_proto(types.RewardStatus, msg.status), detail=msg.detail
@@ -380,6 +389,15 @@ def start_group_result_to_proto(
         group=group_to_proto(value.group),
         shared_worker=value.shared_worker,
         replayed=value.replayed,
+    )
+
+
+def replacement_to_proto(value: types.Replacement) -> session_service_pb2.MemberReplaced:
+    return session_service_pb2.MemberReplaced(
+        group_id=value.group_id,
+        replaced_session=value.replaced_session,
+        replacement=session_to_proto(value.session),
+        reason=value.reason,
     )
 
 

@@ -32,7 +32,7 @@ from sessionrouter.client._retry import Retrier
 from sessionrouter.client.types import GroupResult
 from sessionrouter.v1 import session_service_pb2 as pb
 
-__all__ = ["AFTER_CURSOR_HEADER", "FeedRetryHook", "follow_feed"]
+__all__ = ["AFTER_CURSOR_HEADER", "FeedRetryHook", "FeedSkipHook", "follow_feed"]
 
 _log = logging.getLogger("sessionrouter.client.feed")
 
@@ -57,6 +57,11 @@ class FeedRetryHook(Protocol):
     ) -> None: ...
 
 
+FeedSkipHook = Callable[[int, int], None]
+"""``on_skipped(count, last_cursor)``: ``count`` degenerate groups up to feed cursor
+``last_cursor`` were left out (``skip_degenerate``); resume after ``last_cursor``."""
+
+
 class _StreamEndedError(SessionRouterError):
     """The router ended the feed with OK: it is stopping (a serving router never does)."""
 
@@ -69,6 +74,8 @@ async def follow_feed(
     retrier: Retrier,
     max_failed_connections: int | None = None,
     on_retry: FeedRetryHook | None = None,
+    skip_degenerate: bool = False,
+    on_skipped: FeedSkipHook | None = None,
 ) -> AsyncGenerator[GroupResult, None]:
     """Yields every group result after ``after_cursor`` (or after the newest, with
     ``from_latest``), reconnecting whenever the stream is lost.
@@ -79,11 +86,17 @@ async def follow_feed(
     off for long. ``max_failed_connections`` bounds the consecutive failures: once reached,
     the last error is raised; ``None`` (the default) never gives up. Each retry is logged at
     WARNING and passed to ``on_retry``.
+
+    With ``skip_degenerate`` the router leaves degenerate groups out; each message that
+    covered some tells ``on_skipped`` how many, and the resume cursor moves past them, so a
+    reconnect neither asks for them again nor counts them twice.
     """
     cursor = after_cursor
     failures = 0
     while True:
-        request = pb.SubscribeGroupsRequest(after_cursor=cursor, from_latest=from_latest)
+        request = pb.SubscribeGroupsRequest(
+            after_cursor=cursor, from_latest=from_latest, skip_degenerate=skip_degenerate
+        )
         call = open_call(request)
         try:
             with map_rpc_errors():
@@ -98,11 +111,18 @@ async def follow_feed(
                     message = await call.read()
                     if not isinstance(message, pb.SubscribeGroupsResponse):
                         raise _StreamEndedError("the router ended the group feed")
+                    before, unresolved = cursor, from_latest
                     for group in message.groups:  # several per message under load
                         if group.cursor <= cursor and not from_latest:
                             continue  # already delivered before a reconnect
                         cursor, from_latest, failures = group.cursor, False, 0
                         yield _convert.group_result_from_proto(group)
+                    if message.last_cursor > before or (unresolved and message.last_cursor):
+                        # Skipped groups after the last one delivered: resume past them.
+                        cursor = max(cursor, message.last_cursor)
+                        from_latest, failures = False, 0
+                        if message.skipped_degenerate and on_skipped is not None:
+                            on_skipped(message.skipped_degenerate, message.last_cursor)
         except SessionRouterError as error:
             if not (isinstance(error, _StreamEndedError) or is_transient(error)):
                 raise

@@ -41,15 +41,18 @@ from sessionrouter.client._errors import (
     map_rpc_errors,
 )
 from sessionrouter.client._retry import Retrier
-from sessionrouter.client.types import GroupResult, RewardResult
+from sessionrouter.client.types import GroupResult, Replacement, RewardResult
 from sessionrouter.v1 import resources_pb2
 from sessionrouter.v1 import session_service_pb2 as pb
 
-__all__ = ["RewardStream"]
+__all__ = ["ReplacementHook", "RewardStream"]
 
 _log = logging.getLogger("sessionrouter.client.rewards")
 
 RewardCall = grpc.aio.StreamStreamCall[pb.SubmitRewardsRequest, pb.SubmitRewardsResponse]
+
+ReplacementHook = Callable[[Replacement], None]
+"""Called (on the stream's task, so it must not block) for each replacement notice."""
 
 MAX_ENTRIES_PER_REQUEST = 4096
 """The contract's limit on entries in one SubmitRewardsRequest."""
@@ -84,6 +87,7 @@ class RewardStream:
         keep_results: bool = True,
         close_timeout: float | None = 10.0,
         retrier: Retrier | None = None,
+        on_replacement: ReplacementHook | None = None,
     ) -> None:
         """
         Args:
@@ -98,6 +102,10 @@ class RewardStream:
                 reconnects included.
             retrier: reconnects a lost stream under its policy and resends what was not
                 acknowledged; None fails the unacknowledged entries at once instead.
+            on_replacement: called for each replacement notice the router sends (a member of
+                a ``replace_lost`` group was replaced); the router sends them to every open
+                stream, so a notice may be about a group another trainer runs. A notice sent
+                while the stream was lost is not resent: ``get_group`` shows the new member.
         """
         if not 1 <= max_batch <= MAX_ENTRIES_PER_REQUEST:
             raise ValueError(f"max_batch must be 1 to {MAX_ENTRIES_PER_REQUEST}, got {max_batch}")
@@ -109,6 +117,7 @@ class RewardStream:
         self._keep_results = keep_results
         self._close_timeout = close_timeout
         self._retrier = retrier
+        self._on_replacement = on_replacement
         self._failures = 0
         """Streams lost in a row, without an ack in between."""
         self._call: RewardCall | None = None
@@ -155,17 +164,27 @@ class RewardStream:
             )
         await self._join()
 
-    async def submit(self, session: str, reward: float) -> RewardResult:
+    async def submit(
+        self, session: str, reward: float, *, filter_metric: float | None = None
+    ) -> RewardResult:
         """Submits one reward and returns what the router did with it.
 
-        ``RewardResult.ok`` is true for ACCEPTED and DUPLICATE. Raises the stream's error if
-        the stream died before this entry was acknowledged.
+        ``filter_metric`` is the raw task outcome (say pass rate), kept apart from the shaped
+        reward: when every counted member of a group has one, the group is degenerate when
+        those are all equal. A resubmission must repeat it. ``RewardResult.ok`` is true for
+        ACCEPTED and DUPLICATE. Raises the stream's error if the stream died before this entry
+        was acknowledged.
         """
-        return await self._enqueue(_convert.reward_entry_to_proto(session, reward))
+        return await self._enqueue(_convert.reward_entry_to_proto(session, reward, filter_metric))
 
-    async def submit_many(self, rewards: Iterable[tuple[str, float]]) -> list[RewardResult]:
-        """Submits several rewards at once; ``result[i]`` answers ``rewards[i]``."""
-        futures = [self._enqueue_nowait(_convert.reward_entry_to_proto(s, r)) for s, r in rewards]
+    async def submit_many(
+        self, rewards: Iterable[tuple[str, float] | tuple[str, float, float | None]]
+    ) -> list[RewardResult]:
+        """Submits several rewards at once; ``result[i]`` answers ``rewards[i]``.
+
+        Each entry is ``(session, reward)`` or ``(session, reward, filter_metric)``.
+        """
+        futures = [self._enqueue_nowait(_entry_of(e)) for e in rewards]
         outcomes = await asyncio.gather(*futures, return_exceptions=True)
         results: list[RewardResult] = []
         for outcome in outcomes:
@@ -376,6 +395,8 @@ class RewardStream:
                         self._on_ack(message.ack)
                     for group_result in message.group_results:
                         self._on_group_result(group_result)
+                    for notice in message.replacements:
+                        self._on_replacement_notice(notice)
             self._abort(
                 StreamClosedError("the router ended the reward stream before acknowledging")
             )
@@ -414,6 +435,15 @@ class RewardStream:
         if self._keep_results:
             self._results.put_nowait(result)
 
+    def _on_replacement_notice(self, message: pb.MemberReplaced) -> None:
+        if self._on_replacement is None:
+            return
+        try:
+            self._on_replacement(_convert.replacement_from_proto(message))
+        except Exception:
+            # The caller's hook failing must not end a stream other submitters share.
+            _log.exception("on_replacement hook failed for %s", message.replaced_session)
+
     def _abort(self, error: SessionRouterError) -> None:
         """Ends the stream: fails everything not yet answered with ``error``. Idempotent."""
         if self._failure is None:
@@ -441,6 +471,15 @@ class RewardStream:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _entry_of(entry: tuple[str, float] | tuple[str, float, float | None]) -> pb.RewardEntry:
+    """A ``(session, reward)`` or ``(session, reward, filter_metric)`` tuple as an entry."""
+    if len(entry) == 2:
+        return _convert.reward_entry_to_proto(entry[0], entry[1])
+    if len(entry) == 3:
+        return _convert.reward_entry_to_proto(entry[0], entry[1], entry[2])
+    raise ValueError(f"a reward entry is (session, reward[, filter_metric]), got {entry!r}")
 
 
 def _unexpected(error: Exception) -> InternalError:

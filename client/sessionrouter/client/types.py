@@ -39,6 +39,7 @@ __all__ = [
     "Page",
     "PlacementMode",
     "RegisterWorkerResult",
+    "Replacement",
     "RewardResult",
     "RewardStatus",
     "Session",
@@ -313,6 +314,23 @@ class GroupResult:
     def advantages_array(self) -> npt.NDArray[np.float64]:
         """A fresh float64 array of shape (n,), or (0,) for a dropped group."""
         return np.asarray(self.advantages, dtype=np.float64)
+
+
+@dataclass(frozen=True, slots=True)
+class Replacement:
+    """A member of a ``replace_lost`` group was replaced by a new, placed and open member.
+
+    The router sends this to every open reward stream; whoever runs the group runs
+    ``session`` (on ``session.worker_address``) in place of ``replaced_session``.
+    """
+
+    group_id: str
+    replaced_session: str
+    """The name of the member replaced (now aborted)."""
+    session: Session
+    """The new member."""
+    reason: str = ""
+    """Why: ``"worker_lost"`` or ``"aborted"`` (a retryable abort)."""
 
 
 @dataclass(frozen=True, slots=True)
