@@ -279,6 +279,13 @@ UNARY_CASES: list[tuple[str, Call, message.Message, message.Message, Callable[[A
         lambda r: r.name == "groups/g1/sessions/0",
     ),
     (
+        "AbortSession",
+        lambda c: c.abort_session("groups/g1/sessions/0", reason="oom", retryable=True),
+        spb.AbortSessionRequest(session="groups/g1/sessions/0", reason="oom", retryable=True),
+        spb.AbortSessionResponse(session=SESSION),
+        lambda r: r.name == "groups/g1/sessions/0",
+    ),
+    (
         "GetSession",
         lambda c: c.get_session("groups/g1/sessions/0"),
         spb.GetSessionRequest(session="groups/g1/sessions/0"),

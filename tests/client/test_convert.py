@@ -95,6 +95,16 @@ ROUND_TRIPS: dict[type[Any], tuple[Any, Callable[[Any], message.Message], Callab
         _convert.group_result_to_proto,
         _convert.group_result_from_proto,
     ),
+    types.Replacement: (
+        types.Replacement(
+            group_id="g1",
+            replaced_session="groups/g1/sessions/0",
+            session=SESSION,
+            reason="worker_lost",
+        ),
+        _convert.replacement_to_proto,
+        _convert.replacement_from_proto,
+    ),
     types.RewardResult: (
         types.RewardResult(types.RewardStatus.CONFLICT, "reward 1.0 already recorded"),
         _convert.reward_result_to_proto,

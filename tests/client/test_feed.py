@@ -292,3 +292,43 @@ async def test_gives_up_after_consecutive_failed_connections(
     # Failure 1, then an answered connection lost (1 again), then 2 in a row: given up.
     assert [n for n, *_ in retries.calls] == [1, 1]
     assert any("2 failed connection" in note for note in caught.value.__notes__)
+
+
+async def test_skip_degenerate_is_asked_for_counted_and_resumed_past(
+    fake: FakeAioChannel, client: SessionRouterClient
+) -> None:
+    trainer = Trainer(client)
+    skipped: list[tuple[int, int]] = []
+    both_skips = asyncio.Event()
+
+    def on_skipped(count: int, last_cursor: int) -> None:
+        skipped.append((count, last_cursor))
+        if len(skipped) == 2:
+            both_skips.set()
+
+    async def router() -> list[spb.SubscribeGroupsRequest]:
+        one, rpc = await take(fake, 0)
+        send = rpc.send_response  # type: ignore[attr-defined]
+        send(
+            spb.SubscribeGroupsResponse(
+                groups=groups(2).groups, skipped_degenerate=1, last_cursor=2
+            )
+        )
+        await trainer.has_read(1)
+        send(spb.SubscribeGroupsResponse(skipped_degenerate=3, last_cursor=6))  # only skipped
+        async with asyncio.timeout(5):  # read before the end, as on a real channel
+            await both_skips.wait()
+        rpc.terminate((), UNAVAILABLE, "router restarting")  # type: ignore[attr-defined]
+        two, rpc = await take(fake, 6)
+        rpc.send_response(spb.SubscribeGroupsResponse(groups=groups(7).groups, last_cursor=7))  # type: ignore[attr-defined]
+        await fake.in_thread(rpc.cancelled)  # type: ignore[attr-defined]
+        return [one, two]
+
+    results, requests = await asyncio.gather(
+        trainer.first(2, skip_degenerate=True, on_skipped=on_skipped),
+        router(),
+    )
+    assert [r.cursor for r in results] == [2, 7]
+    assert skipped == [(1, 2), (3, 6)]
+    # The reconnect resumes after the skipped groups, and still asks to skip.
+    assert [(r.after_cursor, r.skip_degenerate) for r in requests] == [(0, True), (6, True)]

@@ -17,6 +17,7 @@ from sessionrouter.client import (
     GroupOutcome,
     InternalError,
     InvalidArgumentError,
+    Replacement,
     RewardResult,
     RewardStatus,
     SessionRouterClient,
@@ -426,3 +427,93 @@ async def test_an_answer_from_the_router_is_not_a_reason_to_reconnect(
         router.end(code, "too many", status_trailer(code, "too many", info))
 
     await asyncio.gather(trainer(), server())
+
+
+async def test_filter_metrics_are_sent_only_where_given(
+    client: SessionRouterClient, router: RouterSide
+) -> None:
+    async def trainer() -> None:
+        async with client.reward_stream(max_delay=0.05) as rs:
+            await asyncio.gather(
+                rs.submit(name(0), 1.0, filter_metric=0.5),
+                rs.submit(name(1), 0.0),
+                rs.submit_many([(name(2), 1.0, 0.25), (name(3), 1.0), (name(4), 0.0, None)]),
+            )
+
+    async def server() -> spb.SubmitRewardsRequest:
+        await router.accept()
+        request = await router.request()
+        router.ack(request)
+        await router.finish()
+        return request
+
+    _, request = await asyncio.gather(trainer(), server())
+    sent = {
+        e.session: e.filter_metric if e.HasField("filter_metric") else None for e in request.entries
+    }
+    assert sent == {name(0): 0.5, name(1): None, name(2): 0.25, name(3): None, name(4): None}
+
+
+async def test_submit_rewards_sends_the_filter_metrics_it_is_given(
+    client: SessionRouterClient, router: RouterSide
+) -> None:
+    async def server() -> spb.SubmitRewardsRequest:
+        await router.accept()
+        request = await router.request()
+        router.ack(request)
+        await router.finish()
+        return request
+
+    result, request = await asyncio.gather(
+        client.submit_rewards({name(0): 1.0, name(1): 0.0}, filter_metrics={name(1): 3.0}),
+        server(),
+    )
+    assert [r.ok for r in result.results] == [True, True]
+    assert [e.HasField("filter_metric") for e in request.entries] == [False, True]
+    assert request.entries[1].filter_metric == 3.0
+
+
+async def test_a_bad_entry_shape_is_a_value_error(client: SessionRouterClient) -> None:
+    async with client.reward_stream() as rs:
+        with pytest.raises(ValueError, match="session, reward"):
+            await rs.submit_many([(name(0),)])  # type: ignore[list-item]
+
+
+async def test_replacement_notices_reach_the_hook_and_a_failing_hook_ends_nothing(
+    client: SessionRouterClient, router: RouterSide
+) -> None:
+    seen: list[Replacement] = []
+
+    def hook(notice: Replacement) -> None:
+        seen.append(notice)
+        if len(seen) == 1:
+            raise RuntimeError("the trainer's hook is broken")
+
+    async def trainer() -> bool:
+        async with client.reward_stream(on_replacement=hook) as rs:
+            result = await rs.submit(name(0), 1.0)
+        return result.ok
+
+    async def server() -> None:
+        await router.accept()
+        notices = [
+            spb.MemberReplaced(
+                group_id="g1",
+                replaced_session=name(i),
+                replacement=rpb.Session(name=name(i + 2), group_id="g1", index=i + 2),
+                reason="worker_lost",
+            )
+            for i in (0, 1)
+        ]
+        router.send(spb.SubmitRewardsResponse(replacements=notices[:1]))
+        request = await router.request()
+        router.send(spb.SubmitRewardsResponse(replacements=notices[1:]))
+        router.ack(request)
+        await router.finish()
+
+    ok, _ = await asyncio.gather(trainer(), server())
+    assert ok  # the hook's failure is logged, the stream goes on
+    assert [(n.group_id, n.replaced_session, n.session.name, n.reason) for n in seen] == [
+        ("g1", name(0), name(2), "worker_lost"),
+        ("g1", name(1), name(3), "worker_lost"),
+    ]
