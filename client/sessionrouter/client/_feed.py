@@ -58,8 +58,9 @@ class FeedRetryHook(Protocol):
 
 
 FeedSkipHook = Callable[[int, int], None]
-"""``on_skipped(count, last_cursor)``: ``count`` degenerate groups up to feed cursor
-``last_cursor`` were left out (``skip_degenerate``); resume after ``last_cursor``."""
+"""``on_skipped(count, last_cursor)``: ``count`` degenerate groups with cursors up to
+``last_cursor`` are left out (``skip_degenerate``). Called when a message arrives, before the
+groups it does deliver are yielded."""
 
 
 class _StreamEndedError(SessionRouterError):
@@ -111,18 +112,22 @@ async def follow_feed(
                     message = await call.read()
                     if not isinstance(message, pb.SubscribeGroupsResponse):
                         raise _StreamEndedError("the router ended the group feed")
-                    before, unresolved = cursor, from_latest
+                    # Counted when the message arrives, before its groups are yielded: a
+                    # consumer that stops at one of them has still heard of the skips.
+                    covers_new = message.last_cursor > cursor or (
+                        from_latest and message.last_cursor > 0
+                    )
+                    if covers_new and message.skipped_degenerate and on_skipped is not None:
+                        on_skipped(message.skipped_degenerate, message.last_cursor)
                     for group in message.groups:  # several per message under load
                         if group.cursor <= cursor and not from_latest:
                             continue  # already delivered before a reconnect
                         cursor, from_latest, failures = group.cursor, False, 0
                         yield _convert.group_result_from_proto(group)
-                    if message.last_cursor > before or (unresolved and message.last_cursor):
+                    if covers_new:
                         # Skipped groups after the last one delivered: resume past them.
                         cursor = max(cursor, message.last_cursor)
                         from_latest, failures = False, 0
-                        if message.skipped_degenerate and on_skipped is not None:
-                            on_skipped(message.skipped_degenerate, message.last_cursor)
         except SessionRouterError as error:
             if not (isinstance(error, _StreamEndedError) or is_transient(error)):
                 raise
