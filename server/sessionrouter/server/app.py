@@ -44,6 +44,7 @@ from sessionrouter.server.core.streams import Commit, no_journal
 from sessionrouter.server.journal import JournalError, JournalTables, SqliteJournal, paused_gc
 from sessionrouter.server.journal.writer import OpenTables
 from sessionrouter.server.metrics import DomainHistograms, RouterCollector, serve_metrics
+from sessionrouter.server.payloads import DecodingInterceptor
 from sessionrouter.server.rpc_metrics import RpcMetricsInterceptor
 from sessionrouter.server.servicer import SessionServicer, WorkerServicer
 from sessionrouter.server.status import Refusals
@@ -134,6 +135,7 @@ class RouterServer:
             interceptors.append(RoleAuthInterceptor(cfg.tokens))
         if cfg.tracing:
             interceptors += self._tracing()
+        interceptors.append(DecodingInterceptor())  # innermost: it wraps the services' own
         server = grpc.aio.server(options=options, interceptors=interceptors)
         self._sessions = SessionServicer(self.router, self._commit, self.refusals)
         spb_grpc.add_SessionServiceServicer_to_server(self._sessions, server)

@@ -195,7 +195,7 @@ class WorkerServicer(_Refusing, wpb_grpc.WorkerServiceServicer):
         self, request: wpb.ListWorkersRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> wpb.ListWorkersResponse:
         try:
-            after = paging.decode("workers", request.page_token)
+            after = paging.decode_id("workers", request.page_token)
         except RouterError as error:
             await self._abort(context, error)
         workers, last = self._router.list_workers(paging.page_size(request.page_size), after)

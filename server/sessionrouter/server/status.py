@@ -41,6 +41,27 @@ STATUS_OF: dict[type[errors.RouterError], int] = {
 }
 """Core error class -> google.rpc.Code. Subclasses map through their nearest listed base."""
 
+MESSAGE_MAX_BYTES = 512
+"""Longest status message sent, in UTF-8 bytes; longer ones (an echoed 100 KB estimator name)
+are cut. grpc percent-encodes non-ASCII bytes in ``grpc-message`` (3 bytes each), and the
+message is sent again inside ``grpc-status-details-bin``."""
+DETAIL_MAX_BYTES = 128
+"""Longest metadata value, field name or violation description sent, in UTF-8 bytes. With
+the message and at most a dozen such strings, the trailers stay under 6 KiB, below the 8 KiB
+default header limit of gRPC clients."""
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` UTF-8 bytes (never inside a character), saying how much was
+    cut. Errors echo what the caller sent, and a trailer over the 8-16 KiB header limits of
+    clients would turn the router's answer into the client transport's own
+    RESOURCE_EXHAUSTED."""
+    data = text.encode("utf-8", "backslashreplace")
+    if len(data) <= limit:
+        return text
+    kept = data[:limit].decode("utf-8", "ignore")
+    return f"{kept}...({len(text) - len(kept)} more characters)"
+
 
 def _pack(message: object) -> any_pb2.Any:
     packed = any_pb2.Any()
@@ -54,7 +75,12 @@ def to_status(error: errors.RouterError) -> grpc.Status:
     details = [
         _pack(
             error_details_pb2.ErrorInfo(
-                reason=error.reason, domain=errors.DOMAIN, metadata=error.metadata
+                reason=error.reason,
+                domain=errors.DOMAIN,
+                metadata={
+                    clip(k, DETAIL_MAX_BYTES): clip(v, DETAIL_MAX_BYTES)
+                    for k, v in error.metadata.items()
+                },
             )
         )
     ]
@@ -63,7 +89,9 @@ def to_status(error: errors.RouterError) -> grpc.Status:
             _pack(
                 error_details_pb2.BadRequest(
                     field_violations=[
-                        error_details_pb2.BadRequest.FieldViolation(field=f, description=d)
+                        error_details_pb2.BadRequest.FieldViolation(
+                            field=clip(f, DETAIL_MAX_BYTES), description=clip(d, DETAIL_MAX_BYTES)
+                        )
                         for f, d in error.field_violations
                     ]
                 )
@@ -73,7 +101,9 @@ def to_status(error: errors.RouterError) -> grpc.Status:
         delay = duration_pb2.Duration()
         delay.FromNanoseconds(int(error.retry_after_s * 1e9))
         details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
-    status = status_pb2.Status(code=code, message=error.message, details=details)
+    status = status_pb2.Status(
+        code=code, message=clip(error.message, MESSAGE_MAX_BYTES), details=details
+    )
     converted: grpc.Status = rpc_status.to_status(status)
     return converted
 

@@ -73,6 +73,7 @@ from sessionrouter.server.core.rewards import ACCEPTED, RewardOutcome, RewardSta
 from sessionrouter.server.core.settings import RouterSettings, RouterSnapshot, RouterStats
 from sessionrouter.server.core.streams import MemberReplaced, RewardFlow, StreamOrigin
 from sessionrouter.server.core.validation import (
+    MAX_REWARD_MAGNITUDE,
     REASON_MAX_LEN,
     check_id,
     check_text,
@@ -567,16 +568,24 @@ class SessionRouter:
             )
         if not math.isfinite(reward):
             return RewardOutcome(RewardStatus.NOT_FINITE, f"reward {reward} is not finite")
+        if abs(reward) > MAX_REWARD_MAGNITUDE:
+            return RewardOutcome(
+                RewardStatus.NOT_FINITE,
+                f"reward {reward:g} is beyond the magnitude bound {MAX_REWARD_MAGNITUDE:g}"
+                " (its group statistics could overflow)",
+            )
         if metric is not None and not math.isfinite(metric):
             return RewardOutcome(RewardStatus.NOT_FINITE, f"filter_metric {metric} is not finite")
         if session.state is SessionState.ABORTED:
-            return RewardOutcome(RewardStatus.SESSION_ABORTED, f"session {name!r} was aborted")
+            return RewardOutcome(
+                RewardStatus.SESSION_ABORTED, f"session {name[:200]!r} was aborted"
+            )
         if session.state is SessionState.REWARDED:
             if session.reward == reward and session.filter_metric == metric:
                 return RewardOutcome(RewardStatus.DUPLICATE, "the same reward is recorded")
             return RewardOutcome(
                 RewardStatus.CONFLICT,
-                f"session {name!r} already has reward {session.reward!r}"
+                f"session {name[:200]!r} already has reward {session.reward!r}"
                 f" (filter_metric {session.filter_metric!r})",
             )
         group = self.groups.get(session.group_id)

@@ -23,6 +23,10 @@ REASON_MAX_LEN = 1024
 MAX_GROUP_SIZE = 1024
 MAX_CAPACITY = 1_000_000
 MAX_DEADLINE_S = 24 * 3600.0
+MAX_REWARD_MAGNITUDE = 1e100
+"""Largest |reward| accepted. Beyond it a group's sums of squares (up to 1,024 members, and
+a micro-batch's for batch_std) could overflow float64 and publish an infinite std or NaN
+advantages; under it every statistic stays finite with a margin of 10**100."""
 
 _ID_RE = re.compile(r"[A-Za-z0-9._~:@+=-]{1,128}")
 _SESSION_NAME_RE = re.compile(r"groups/([A-Za-z0-9._~:@+=-]{1,128})/sessions/(0|[1-9][0-9]{0,5})")
