@@ -15,6 +15,9 @@ logs one ``recovered`` line; every mutating call then waits for the journal's gr
 before it replies. A journal that cannot be written is fail-stop: calls get UNAVAILABLE, health
 turns NOT_SERVING and ``failed`` is set (the CLI then exits non-zero), because a router that
 can no longer make changes durable must not acknowledge any; its restart recovers what was.
+A full disk is the exception: the journal says so once with its path and retries; meanwhile
+health is NOT_SERVING, new sessions are refused (UNAVAILABLE DISK_FULL) and nothing is
+acknowledged, and all of it ends when a write succeeds again.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from sessionrouter.server.core.errors import Unavailable
 from sessionrouter.server.core.router import SessionRouter
 from sessionrouter.server.core.streams import Commit, no_journal
 from sessionrouter.server.journal import JournalError, JournalTables, SqliteJournal, paused_gc
+from sessionrouter.server.journal.integrity import JournalDamagedError, move_aside
 from sessionrouter.server.journal.writer import OpenTables
 from sessionrouter.server.metrics import DomainHistograms, RouterCollector, serve_metrics
 from sessionrouter.server.payloads import DecodingInterceptor
@@ -220,13 +224,7 @@ class RouterServer:
 
     async def _recover(self, cfg: JournalConfig) -> None:
         started = time.perf_counter()
-        settings = self.router.settings
-        journal = SqliteJournal(
-            cfg.state_dir,
-            sync=cfg.sync,
-            keep_finished=max(settings.feed_retention, settings.finished_group_retention),
-            open_tables=self._open_tables,
-        )
+        journal = self._open_journal(cfg)
         try:
             if cfg.check_on_start:
                 await asyncio.to_thread(journal.check)
@@ -241,6 +239,7 @@ class RouterServer:
             journal.close_now()
             raise
         journal.on_failure.append(self._journal_failed)
+        journal.on_disk_full.append(self._disk_full)
         journal.start()
         self.journal = journal
         self.commit = journal.commit
@@ -256,6 +255,35 @@ class RouterServer:
                 "ms": round((time.perf_counter() - started) * 1000, 1),
             },
         )
+
+    def _open_journal(self, cfg: JournalConfig) -> SqliteJournal:
+        """Opens the journal; a damaged one is refused (JournalDamagedError names its files)
+        unless ``start_fresh`` says to move its files aside and begin an empty one."""
+        settings = self.router.settings
+
+        def open_journal() -> SqliteJournal:
+            return SqliteJournal(
+                cfg.state_dir,
+                sync=cfg.sync,
+                keep_finished=max(settings.feed_retention, settings.finished_group_retention),
+                open_tables=self._open_tables,
+            )
+
+        try:
+            return open_journal()
+        except JournalDamagedError as damaged:
+            if not cfg.start_fresh:
+                raise
+            moved = move_aside(Path(cfg.state_dir))
+            log.warning(
+                "journal damaged: started fresh",
+                extra={
+                    "event": "journal_started_fresh",
+                    "problem": damaged.problem,
+                    "moved_to": str(moved),
+                },
+            )
+            return open_journal()
 
     def _register_static_worker(self, spec: WorkerSpec) -> None:
         """Registers a worker given at start-up. One the journal knows at another address
@@ -273,6 +301,30 @@ class RouterServer:
             )
             self.router.deregister_worker(spec.worker_id)
         self.router.register_worker(spec.worker_id, spec.address, spec.capacity, spec.labels)
+
+    def _disk_full(self, full: bool) -> None:
+        """A full disk is not fail-stop: writes are retried, and meanwhile new sessions are
+        refused and health says NOT_SERVING, until a write succeeds again."""
+        path = self.journal.path if self.journal is not None else ""
+        if full:
+            self.router.pause_accepting(
+                "DISK_FULL",
+                f"the disk of the journal {path} is full; no new sessions until it has space again",
+            )
+        else:
+            self.router.resume_accepting()
+        status = (
+            health_pb2.HealthCheckResponse.NOT_SERVING
+            if full
+            else health_pb2.HealthCheckResponse.SERVING
+        )
+        task = asyncio.get_running_loop().create_task(self._set_health(status))
+        self._failure_tasks.add(task)
+        task.add_done_callback(self._failure_tasks.discard)
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        for name in ("", *SERVICE_NAMES):
+            await self.health.set(name, status)
 
     def _journal_failed(self, error: BaseException) -> None:
         task = asyncio.get_running_loop().create_task(self._fail_stop())

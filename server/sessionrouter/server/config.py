@@ -90,6 +90,9 @@ class JournalConfig:
     check_on_start: bool = True
     """Run SQLite's quick_check before loading: catches a damaged page anywhere in the file
     (indexes included) at the price of reading it once more at start-up."""
+    start_fresh: bool = False
+    """When the journal is damaged (empty, of another identity, or behind what it had
+    committed), move its files aside and start an empty journal instead of refusing."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +244,10 @@ SETTINGS: tuple[Setting, ...] = (
             " crash or power loss", "journal.sync", choices=("full", "normal")),
     Setting("check_on_start", "--check-on-start", bool, True, "run SQLite's quick_check over"
             " the journal before loading it", "journal.check_on_start"),
+    Setting("start_fresh", "--start-fresh", bool, False, "when the journal is damaged (empty,"
+            " another journal's, or behind what it committed), move its files aside into"
+            " damaged-* and start an empty journal instead of refusing to start",
+            "journal.start_fresh"),
     Setting("log_level", "--log-level", str, "info", "log level",
             choices=("debug", "info", "warning", "error")),
     Setting("log_format", "--log-format", str, "json", "log format", choices=("json", "text")),
@@ -595,7 +602,7 @@ def _journal(src: Sources) -> JournalConfig | None:
     state_dir = src.get("state_dir") or DEFAULT_STATE_DIR
     if src.given("state_dir") and not src.get("state_dir"):
         raise ConfigError("the state directory must not be empty")
-    return JournalConfig(state_dir, sync, src.get("check_on_start"))
+    return JournalConfig(state_dir, sync, src.get("check_on_start"), src.get("start_fresh"))
 
 
 def _check_positive(key: str, value: float) -> None:

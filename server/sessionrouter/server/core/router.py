@@ -129,6 +129,8 @@ class SessionRouter:
         self.reward_flows: set[RewardFlow] = set()
         """Open SubmitRewards streams (the transport adds and removes them): where
         replacement notices go."""
+        self._refusal = ("SHUTTING_DOWN", "the router is shutting down and takes no new sessions")
+        self._stopped = False
 
     # -- the router's life -----------------------------------------------------------------
 
@@ -146,6 +148,20 @@ class SessionRouter:
         """Refuses new sessions from now on (draining for shutdown, or a failed journal);
         rewards, lookups and aborts still work."""
         self._accepting = False
+        self._stopped = True
+        self._refusal = ("SHUTTING_DOWN", "the router is shutting down and takes no new sessions")
+
+    def pause_accepting(self, reason: str, message: str) -> None:
+        """Refuses new sessions (Unavailable ``reason``) until ``resume_accepting``: a
+        condition that passes, such as a full disk."""
+        if not self._stopped:
+            self._accepting = False
+            self._refusal = (reason, message)
+
+    def resume_accepting(self) -> None:
+        """Ends a pause; a router that stopped accepting for good stays stopped."""
+        if not self._stopped:
+            self._accepting = True
 
     def snapshot(self) -> RouterSnapshot:
         """The figures metrics export, copied now (call on the loop that owns the router)."""
@@ -364,11 +380,8 @@ class SessionRouter:
 
     def _check_accepting(self) -> None:
         if not self.accepting:
-            raise Unavailable(
-                "SHUTTING_DOWN",
-                "the router is shutting down and takes no new sessions",
-                retry_after_s=self.settings.retry_after_s,
-            )
+            reason, message = self._refusal
+            raise Unavailable(reason, message, retry_after_s=self.settings.retry_after_s)
 
     def _new_group(
         self, group_id: str, task_id: str, size: int, settings: GroupSettings

@@ -50,9 +50,10 @@ time, by the writer thread after a fold. Freed pages are reused by later writes,
 file stops growing once the retention window is full.
 """
 
+from sessionrouter.server.journal.errors import JournalError
 from sessionrouter.server.journal.gc_pause import paused_gc
 from sessionrouter.server.journal.schema import JOURNAL_FILE, LOCK_FILE, SCHEMA_VERSION
-from sessionrouter.server.journal.tables import JournalError, JournalTables, SyncMode
+from sessionrouter.server.journal.tables import JournalTables, SyncMode
 from sessionrouter.server.journal.writer import (
     DEFAULT_COMPACT_STEP,
     DEFAULT_KEEP_FINISHED,

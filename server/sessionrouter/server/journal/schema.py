@@ -7,10 +7,10 @@ column is added in one place. Any change of a table, of a column's meaning or of
 row format (``logrows``) bumps ``SCHEMA_VERSION``: a journal of another version is refused at
 start-up, never silently reset or reinterpreted.
 
-Tables (version 2)::
+Tables (version 3)::
 
     meta(key, value)            schema_version, created, last_cursor, next_seq,
-                                compacted_cursor, events
+                                compacted_cursor, events, journal_id (since 3)
     workers                     one row per registered worker
     groups                      one row per group; ``cursor > 0`` exactly when finalized or
                                 dropped, and then the result columns are set: counted and
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bumped on any change of the tables, of what a column means, or of the log-row format.
 
 Version 2 added ``groups.placement`` (the group's placement policy),
@@ -39,7 +39,11 @@ Version 2 added ``groups.placement`` (the group's placement policy),
 and a result's metrics), the ``FilterMetricSaved`` log event, ``sessions.replaces`` and
 ``groups.replaced`` (replacement members and the members they replaced). A version 1 journal is
 refused at start-up with a message naming its file: it holds no placement policies, and its
-groups are better finished by the router version that wrote it than guessed."""
+groups are better finished by the router version that wrote it than guessed.
+
+Version 3 added ``journal_id`` to ``meta`` (the id ``IDENTITY`` names too, see
+``integrity``). A version 2 journal is upgraded in place at start-up by giving it one (nothing
+else changed); version 1 is still refused."""
 APPLICATION_ID = 0x53524A31
 """``PRAGMA application_id`` of a journal ("SRJ1"): tells our file from any other SQLite file."""
 JOURNAL_FILE = "journal.db"

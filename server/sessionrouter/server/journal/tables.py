@@ -30,8 +30,19 @@ from sessionrouter.server.core.events import (
 from sessionrouter.server.core.groups import SessionRecord, SessionState
 from sessionrouter.server.journal.bulk import bulk_statements, marks
 from sessionrouter.server.journal.codecs import dump_map, load_map, result_from_columns
+from sessionrouter.server.journal.errors import JournalError
 from sessionrouter.server.journal.fold import RowChanges
 from sessionrouter.server.journal.gc_pause import paused_gc
+from sessionrouter.server.journal.integrity import (
+    DIR_MODE,
+    FILE_MODE,
+    Identity,
+    JournalDamagedError,
+    StateFiles,
+    create_private,
+    new_identity,
+    tighten,
+)
 from sessionrouter.server.journal.logrows import Batch, decode_batch
 from sessionrouter.server.journal.schema import (
     APPLICATION_ID,
@@ -66,19 +77,6 @@ class SyncMode(enum.Enum):
     NORMAL = "normal"
 
 
-class JournalError(Exception):
-    """The journal cannot be used: the message names the file and what is wrong with it.
-
-    Raised at start-up for a file that is not SQLite, not ours, of another schema version,
-    unreadable, or locked by another router. The router refuses to start rather than reset
-    the file, because the file may hold rewards that cannot be produced again."""
-
-    def __init__(self, path: Path, problem: str) -> None:
-        super().__init__(f"journal {path}: {problem}")
-        self.path = path
-        self.problem = problem
-
-
 class JournalTables:
     """The SQLite file of one state directory, locked for this process.
 
@@ -93,7 +91,13 @@ class JournalTables:
         self._closed = False
         self._lock_fd = -1
         self._lock_fd = self._lock()
+        self.files = StateFiles(self.state_dir)
+        """IDENTITY and COMMITTED, the journal's memory outside the database."""
         try:
+            self._identity = self.files.read_identity(self.path)
+            for suffix in ("", "-wal", "-shm"):
+                tighten(Path(f"{self.path}{suffix}"))
+            create_private(self.path)
             self._con = self._open()
         except BaseException:
             self._unlock()
@@ -104,13 +108,19 @@ class JournalTables:
         self.next_seq = int(meta["next_seq"])
         self.compacted_cursor = int(meta["compacted_cursor"])
         self.events = int(meta["events"])
+        try:
+            self._check_identity(str(meta.get("journal_id", "")))
+        except BaseException:
+            self.close()
+            raise
 
     # -- opening -----------------------------------------------------------------------------
 
     def _lock(self) -> int:
         try:
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            self.state_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+            tighten(self.state_dir / LOCK_FILE)
+            fd = os.open(self.state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, FILE_MODE)
         except OSError as exc:
             raise JournalError(self.path, f"cannot use state directory: {exc.strerror}") from None
         try:
@@ -151,6 +161,10 @@ class JournalTables:
                     " a backup, or move it away to start with an empty journal",
                 ) from None
             if not tables and app_id == 0:
+                if self._identity is not None:
+                    raise self._damaged(
+                        "is empty, but this directory held that journal: its data is gone"
+                    )
                 self._create(con)
             elif app_id != APPLICATION_ID:
                 raise JournalError(
@@ -170,7 +184,50 @@ class JournalTables:
             raise
         return con
 
+    def _damaged(self, problem: str) -> JournalDamagedError:
+        """The refusal of a damaged journal, naming its files and the way out."""
+        identity = self._identity
+        held = (
+            f" ({self.files.identity_path} names journal {identity.journal_id}, created"
+            f" {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(identity.created))},"
+            f" and {self.files.committed_path} counts"
+            f" {self.files.read_committed(self.path)} committed events)"
+            if identity is not None
+            else ""
+        )
+        return JournalDamagedError(
+            self.path,
+            f"{problem}{held}. It was not reset. Restore {self.path.name} and"
+            f" {self.path.name}-wal from a backup, or start fresh (--start-fresh) to move the"
+            " journal's files aside into a damaged-* directory and begin an empty journal",
+        )
+
+    def _check_identity(self, journal_id: str) -> None:
+        """The database and IDENTITY must name the same journal; a missing IDENTITY (a
+        journal of an older router, or a directory restored without it) is written anew."""
+        if self._identity is None:
+            self._identity = Identity(journal_id, time.time())
+            self.files.write_identity(self._identity)
+            log.info(
+                "journal identity written",
+                extra={"event": "journal_identity_written", "path": str(self.files.identity_path)},
+            )
+        elif self._identity.journal_id != journal_id:
+            raise self._damaged(f"is journal {journal_id}, another journal than this directory's")
+
+    def check_committed(self) -> None:
+        """JournalDamagedError when the database holds fewer events than COMMITTED says were made
+        durable (call once the log left by a crash is folded)."""
+        committed = self.files.read_committed(self.path)
+        if self.events < committed:
+            raise self._damaged(
+                f"holds {self.events} events but {committed} were committed: acknowledged"
+                f" changes are missing (was {self.path.name}-wal deleted, or the file replaced"
+                " by an older copy?)"
+            )
+
     def _create(self, con: sqlite3.Connection) -> None:
+        identity = new_identity()
         con.execute("PRAGMA journal_mode=WAL")
         con.execute("BEGIN IMMEDIATE")
         for statement in ddl():
@@ -184,10 +241,13 @@ class JournalTables:
                 ("next_seq", 1),
                 ("compacted_cursor", 0),
                 ("events", 0),
+                ("journal_id", identity.journal_id),
             ],
         )
         con.execute(f"PRAGMA application_id={APPLICATION_ID}")
         con.execute("COMMIT")
+        self._identity = identity
+        self.files.write_identity(identity)
         log.info("journal created", extra={"event": "journal_created", "path": str(self.path)})
 
     def _check_version(self, con: sqlite3.Connection) -> None:
@@ -204,12 +264,28 @@ class JournalTables:
                 f"written by a newer sessionrouter (schema version {version}; this one reads"
                 f" version {SCHEMA_VERSION}): upgrade the router, it was not reset",
             )
+        if version == SCHEMA_VERSION - 1:
+            self._upgrade_from_2(con)
+            return
         if version != SCHEMA_VERSION:
             raise JournalError(
                 self.path,
                 f"schema version {version} is not supported (this router reads version"
                 f" {SCHEMA_VERSION}) and was not converted",
             )
+
+    def _upgrade_from_2(self, con: sqlite3.Connection) -> None:
+        """Version 2 differs only by having no journal id: give it one (IDENTITY follows
+        from it)."""
+        journal_id = self._identity.journal_id if self._identity else new_identity().journal_id
+        con.execute("BEGIN IMMEDIATE")
+        con.execute("INSERT OR REPLACE INTO meta VALUES ('journal_id', ?)", (journal_id,))
+        con.execute("UPDATE meta SET value=? WHERE key='schema_version'", (SCHEMA_VERSION,))
+        con.execute("COMMIT")
+        log.info(
+            "journal upgraded",
+            extra={"event": "journal_upgraded", "path": str(self.path), "from": 2, "to": 3},
+        )
 
     def _meta(self) -> dict[str, Any]:
         try:
@@ -230,6 +306,7 @@ class JournalTables:
         self._closed = True
         with contextlib.suppress(sqlite3.Error):
             self._con.close()
+        self.files.close()
         self._unlock()
 
     # -- reading back ------------------------------------------------------------------------
@@ -377,7 +454,13 @@ class JournalTables:
 
     def append_log(self, data: bytes) -> int:
         """Makes one encoded batch durable with one autocommit INSERT; returns its row id."""
-        cursor = self._con.execute("INSERT INTO log (events) VALUES (?)", (data,))
+        try:
+            cursor = self._con.execute("INSERT INTO log (events) VALUES (?)", (data,))
+        except sqlite3.Error:
+            if self._con.in_transaction:  # SQLite may leave a failed write's transaction open
+                with contextlib.suppress(sqlite3.Error):
+                    self._con.execute("ROLLBACK")
+            raise
         return cursor.lastrowid or 0
 
     def apply(self, changes: RowChanges, fold_log_upto: int = 0) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import queue
 import sqlite3
@@ -27,9 +28,10 @@ from typing import Any
 
 from sessionrouter.server.core.errors import Unavailable
 from sessionrouter.server.core.events import Event, GroupFinalized, RecoveredState, RewardSaved
+from sessionrouter.server.journal.errors import JournalError
 from sessionrouter.server.journal.fold import Rewards, fold
 from sessionrouter.server.journal.logrows import Batch, Finalized, LoggedEvent
-from sessionrouter.server.journal.tables import JournalError, JournalTables, SyncMode
+from sessionrouter.server.journal.tables import JournalTables, SyncMode
 
 log = logging.getLogger("sessionrouter.journal")
 
@@ -43,6 +45,17 @@ fold are amortised over many batches, small enough that a fold (about 20 ms) doe
 the next batch up for long, and that opening after a crash folds little."""
 FOLD_IDLE_S = 0.05
 """A writer with nothing to write for this long folds what the log holds."""
+DISK_FULL_RETRY_S = 0.5
+"""How often a writer whose disk is full tries the same batch again."""
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """SQLite's SQLITE_FULL ("database or disk is full"), or ENOSPC/EDQUOT from the OS: a
+    condition that passes when space is freed, unlike a damaged or vanished file."""
+    if isinstance(error, sqlite3.Error):
+        return getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
 
 OpenTables = Callable[[Path, SyncMode], JournalTables]
 """Opens the tables of a state directory: ``JournalTables`` itself, or in tests a subclass
@@ -91,6 +104,10 @@ class SqliteJournal:
         """Logged events that trigger a fold (``FOLD_EVENTS``; tests fold more often)."""
         self.on_failure: list[Callable[[BaseException], None]] = []
         """Called on the loop, once, when a batch cannot be written."""
+        self.on_disk_full: list[Callable[[bool], None]] = []
+        """Called on the loop with True when writes start failing for lack of space (they
+        are retried, nothing is acknowledged meanwhile) and with False once one succeeds."""
+        self.disk_full = False
         self.batches = 0
         """Batches (transactions) written by this process; for tests and benchmarks."""
         self.on_commit: Callable[[float, int, int], None] | None = None
@@ -98,6 +115,10 @@ class SqliteJournal:
         write (and its fsync) took, its events and its encoded bytes (metrics)."""
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        """Set by close(): a writer waiting for disk space gives up."""
+        self._full_reported = False
+        """Writer thread: the current lack of space was reported."""
         self._tables = open_tables(Path(state_dir), sync)
         self.state_dir = self._tables.state_dir
         self.path = self._tables.path
@@ -105,6 +126,11 @@ class SqliteJournal:
         """What the ``log`` rows not folded yet hold (writer thread only)."""
         self._last_log_id = 0
         self._fold_log_left_by_a_crash()
+        try:
+            self._tables.check_committed()
+        except JournalError:
+            self.close_now()
+            raise
         self._durable_events = self._tables.events
         """Events durable so far, folded or in the log (only the writer changes it)."""
         # Loop side.
@@ -245,10 +271,11 @@ class SqliteJournal:
         if self._closed:
             return
         if self._thread is not None:
-            if self._error is None:
+            if self._error is None and not self.disk_full:
                 with contextlib.suppress(Unavailable):
                     self.kick()
                     await self.commit()
+            self._stopping.set()
             self._queue.put(None)
             await asyncio.to_thread(self._thread.join)
         self.close_now()
@@ -274,20 +301,64 @@ class SqliteJournal:
             if item is not None:
                 events, batch = item
                 error: BaseException | None = None
-                try:
-                    self._log_batch(events)
-                except BaseException as exc:  # every failure must reach the waiters
-                    error = exc
+                while True:
+                    try:
+                        self._log_batch(events)
+                    except BaseException as exc:  # every failure must reach the waiters
+                        if is_disk_full(exc) and self._wait_for_space(exc):
+                            continue
+                        error = exc
+                    break
+                self._space_back()
                 if not self._notify(batch, error) or error is not None:
                     return
             if len(self._unfolded) >= self.fold_events or (idle and self._unfolded):
                 try:
                     self._fold(carry=not idle)
-                except BaseException as exc:  # the batches are safe in the log; stop anyway
+                except BaseException as exc:  # the batches are safe in the log
+                    if is_disk_full(exc) and self._wait_for_space(exc):
+                        continue  # folded again later; the log still holds every batch
                     self._notify(None, exc)
                     return
         with contextlib.suppress(BaseException):  # a clean stop leaves an empty log
             self._fold(carry=False)
+
+    def _wait_for_space(self, error: BaseException) -> bool:
+        """After a write failed for lack of space: says so once, waits, and returns True to
+        try again (False when the loop is gone or the journal is closing)."""
+        if not self._full_reported:
+            self._full_reported = True
+            log.error(
+                "disk full: the journal %s cannot be written (%s); nothing is acknowledged"
+                " until it can, retrying every %.1f s",
+                self.path,
+                error,
+                DISK_FULL_RETRY_S,
+                extra={"event": "journal_disk_full", "path": str(self.path)},
+            )
+            assert self._loop is not None
+            try:
+                self._loop.call_soon_threadsafe(self._set_disk_full, True)
+            except RuntimeError:
+                return False
+        time.sleep(DISK_FULL_RETRY_S)
+        return not self._stopping.is_set()
+
+    def _space_back(self) -> None:
+        if self._full_reported:
+            self._full_reported = False
+            log.warning(
+                "journal writable again",
+                extra={"event": "journal_disk_writable", "path": str(self.path)},
+            )
+            assert self._loop is not None
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._set_disk_full, False)
+
+    def _set_disk_full(self, full: bool) -> None:
+        self.disk_full = full
+        for callback in self.on_disk_full:
+            callback(full)
 
     def _notify(self, batch: asyncio.Future[None] | None, error: BaseException | None) -> bool:
         assert self._loop is not None
@@ -307,6 +378,7 @@ class SqliteJournal:
         self._last_log_id = self._tables.append_log(row) or self._last_log_id
         self._unfolded.extend(batch)
         self._durable_events += len(batch)
+        self._tables.files.record(self._durable_events)
         self.batches += 1
         if self.on_commit is not None:
             self.on_commit(time.perf_counter() - started, len(batch), len(row))
@@ -316,13 +388,17 @@ class SqliteJournal:
         open are carried over to the next fold (see ``fold``), when idle or stopping not."""
         if self._unfolded:
             folded, self._unfolded = self._unfolded, Batch()
-            self._unfolded = self.write(
-                folded.events,
-                folded.rewards(),
-                fold_log_upto=self._last_log_id,
-                carried_before=folded.carried,
-                carry=carry,
-            )
+            try:
+                self._unfolded = self.write(
+                    folded.events,
+                    folded.rewards(),
+                    fold_log_upto=self._last_log_id,
+                    carried_before=folded.carried,
+                    carry=carry,
+                )
+            except BaseException:
+                self._unfolded = folded  # rolled back: still in the log, folded later
+                raise
         self._compact_if_due()
 
     def log_pending(self) -> None:
@@ -341,6 +417,7 @@ class SqliteJournal:
         pending, self._pending = self._pending, Batch()
         self.write(pending.events, pending.rewards())
         self._durable_events += len(pending)
+        self._tables.files.record(self._durable_events)
         self.batches += 1
         self._compact_if_due()
 
