@@ -14,11 +14,13 @@ from sessionrouter.server.core.feed import GroupFeed, GroupOutcome, GroupResult
 from sessionrouter.server.core.rewards import ACCEPTED, RewardOutcome
 from sessionrouter.server.core.streams import (
     MAX_ENTRIES_PER_REQUEST,
+    STREAM_BACKLOG_BYTES,
     Entries,
     RewardAck,
     RewardFlow,
     StreamEvent,
     StreamOrigin,
+    event_bytes,
 )
 
 
@@ -203,3 +205,31 @@ async def test_feed_wakes_waiters_on_publish_and_on_close() -> None:
     await asyncio.sleep(0)
     feed.close()
     assert await asyncio.wait_for(closed, 1) is False
+
+
+async def test_room_counts_bytes_not_only_events() -> None:
+    """Two acks of 4,096 long-detail results pass the byte bound long before the count."""
+    stream = RewardFlow(no_submit, no_commit)
+    big = [RewardOutcome(ACCEPTED.status, "d" * 1000)] * 4096
+    for i in range(2):
+        stream.ack(stream.begin_request(), RewardAck(i, big))
+    assert stream.backlog == 2 and stream.backlog_bytes > STREAM_BACKLOG_BYTES
+    waiter = asyncio.create_task(stream.room(1024))
+    await asyncio.sleep(0.01)
+    assert not waiter.done(), "the reader must stop reading while the bytes are queued"
+    batches = stream.batches()
+    await anext(batches)
+    await asyncio.wait_for(waiter, 1)
+    assert stream.backlog_bytes == 0
+
+
+def test_feed_evicts_beyond_its_byte_limit_keeping_the_newest() -> None:
+    one = event_bytes(result(1))
+    feed = GroupFeed(retention=1000, bytes_limit=10 * one)
+    for cursor in range(1, 101):
+        feed.publish(result(cursor))
+        assert feed.retained_bytes <= 10 * one
+    assert feed.last_cursor == 100
+    assert [r.cursor for r in feed.read_after(99, 5)] == [100]
+    with pytest.raises(OutOfRange):
+        feed.read_after(0, 5)

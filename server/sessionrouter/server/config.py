@@ -208,6 +208,17 @@ SETTINGS: tuple[Setting, ...] = (
             "SECONDS"),
     Setting("feed_retention", "--feed-retention", int, _R.feed_retention, "finished groups"
             " kept for resuming subscribers", "feed_retention", "GROUPS"),
+    Setting("max_workers", "--max-workers", int, _R.max_workers, "registered workers at most;"
+            " one more is refused (RESOURCE_EXHAUSTED)", "limits.max_workers", "N"),
+    Setting("max_open_groups", "--max-open-groups", int, _R.max_open_groups, "open groups at"
+            " most; one more is refused (RESOURCE_EXHAUSTED)", "limits.max_open_groups", "N"),
+    Setting("max_open_sessions", "--max-open-sessions", int, _R.max_open_sessions, "members"
+            " of open groups (the sum of their sizes) at most; a group that would pass it is"
+            " refused (RESOURCE_EXHAUSTED)", "limits.max_open_sessions", "N"),
+    Setting("max_retained_bytes", "--max-retained-bytes", int, _R.max_retained_bytes,
+            "bytes of finished groups kept for GetGroup, and of results kept in the feed"
+            " (each); beyond it the oldest are forgotten", "limits.max_retained_bytes",
+            "BYTES"),
     Setting("auth_token_file", "--token-file", str, None, "require 'authorization: Bearer"
             " <token>': one ROLE:TOKEN[:WORKER-ID-GLOBS] per line, ROLE worker, rollout,"
             " trainer or admin (a file of one bare token: an admin token); the file's text may"
@@ -484,7 +495,13 @@ def build_config(
         reducer_window_s=get("reducer_window_ms") / 1000,
         reducer_max_batch=get("reducer_max_batch"),
         feed_retention=get("feed_retention"),
+        max_workers=get("max_workers"),
+        max_open_groups=get("max_open_groups"),
+        max_open_sessions=get("max_open_sessions"),
+        max_retained_bytes=get("max_retained_bytes"),
     )
+    for key in ("max_workers", "max_open_groups", "max_open_sessions", "max_retained_bytes"):
+        _check_positive(f"limits.{key}", getattr(settings, key))
     _check_positive("heartbeat_timeout_s", settings.heartbeat_timeout_s)
     _check_positive("groups.deadline_s", settings.deadline_s)
     _check_positive("reducer.max_batch", settings.reducer_max_batch)

@@ -22,7 +22,9 @@ import grpc
 
 from sessionrouter.server import convert, paging
 from sessionrouter.server.core.errors import RouterError, Unavailable
+from sessionrouter.server.core.feed import GroupResult
 from sessionrouter.server.core.router import SessionRouter
+from sessionrouter.server.core.sizes import MESSAGE_BUDGET_BYTES
 from sessionrouter.server.core.streams import (
     Commit,
     Entries,
@@ -44,6 +46,10 @@ FEED_READ_BATCH = 256
 """Groups per SubscribeGroups message, at most."""
 RESULTS_PER_MESSAGE = 256
 """Group results per SubmitRewards message, at most."""
+MESSAGE_BYTE_BUDGET = MESSAGE_BUDGET_BYTES
+"""Bytes a feed or reward-stream message may hold, well below the 4 MiB a default gRPC
+client receives: more groups go into further messages. One group never exceeds it, because
+StartGroup refuses a group whose result could not fit (``core.sizes``)."""
 
 AFTER_CURSOR_HEADER = "sessionrouter-after-cursor"
 """SubscribeGroups response header: the cursor the stream delivers after (decimal)."""
@@ -91,20 +97,63 @@ def _pack_stream_events(events: list[StreamEvent]) -> list[spb.SubmitRewardsResp
     RESULTS_PER_MESSAGE per message)."""
     messages: list[spb.SubmitRewardsResponse] = []
     current: spb.SubmitRewardsResponse | None = None
+    size = 0
     for event in events:
         if isinstance(event, RewardAck):
             current = spb.SubmitRewardsResponse(ack=_ack_to_proto(event))
             messages.append(current)
+            size = current.ByteSize()
         elif isinstance(event, MemberReplaced):
-            if current is None:
+            replacement = convert.replacement_to_proto(event)
+            grows = replacement.ByteSize() + 8  # the field's tag and length
+            if current is None or (size + grows > MESSAGE_BYTE_BUDGET and size > 0):
                 current = spb.SubmitRewardsResponse()
                 messages.append(current)
-            current.replacements.append(convert.replacement_to_proto(event))
+                size = 0
+            current.replacements.append(replacement)
+            size += grows
         else:
-            if current is None or len(current.group_results) >= RESULTS_PER_MESSAGE:
+            result = convert.result_to_proto(event)
+            grows = result.ByteSize() + 8  # the field's tag and length
+            if (
+                current is None
+                or len(current.group_results) >= RESULTS_PER_MESSAGE
+                or (size + grows > MESSAGE_BYTE_BUDGET and size > 0)
+            ):
                 current = spb.SubmitRewardsResponse()
                 messages.append(current)
-            current.group_results.append(convert.result_to_proto(event))
+                size = 0
+            current.group_results.append(result)
+            size += grows
+    return messages
+
+
+def _feed_messages(
+    batch: list[GroupResult], skip_degenerate: bool
+) -> list[spb.SubscribeGroupsResponse]:
+    """One read batch (cursor order) as feed messages of at most MESSAGE_BYTE_BUDGET bytes
+    each. Each message counts the degenerate groups it skipped and names the last cursor it
+    covers, skipped ones included; a batch gives at least one message, so a trainer that
+    skips every group still sees its cursor move."""
+    messages: list[spb.SubscribeGroupsResponse] = []
+    current = spb.SubscribeGroupsResponse()
+    size = 0
+    covered = 0
+    for group in batch:
+        if skip_degenerate and group.degenerate:
+            current.skipped_degenerate += 1
+        else:
+            result = convert.result_to_proto(group)
+            grows = result.ByteSize() + 8  # the field's tag and length
+            if current.groups and size + grows > MESSAGE_BYTE_BUDGET:
+                current.last_cursor = covered
+                messages.append(current)
+                current, size = spb.SubscribeGroupsResponse(), 0
+            current.groups.append(result)
+            size += grows
+        covered = group.cursor
+    current.last_cursor = covered
+    messages.append(current)
     return messages
 
 
@@ -356,19 +405,9 @@ class SessionServicer(_Refusing, spb_grpc.SessionServiceServicer):
                     if not await feed.wait_beyond(cursor):
                         await self._abort(context, self._draining_error("group feed", cursor))
                     continue
-                last = batch[-1].cursor
-                if request.skip_degenerate:
-                    kept = [r for r in batch if not r.degenerate]
-                    yield spb.SubscribeGroupsResponse(
-                        groups=[convert.result_to_proto(r) for r in kept],
-                        skipped_degenerate=len(batch) - len(kept),
-                        last_cursor=last,
-                    )
-                else:
-                    yield spb.SubscribeGroupsResponse(
-                        groups=[convert.result_to_proto(r) for r in batch], last_cursor=last
-                    )
-                cursor = subscription.cursor = last
+                for message in _feed_messages(batch, request.skip_degenerate):
+                    yield message
+                cursor = subscription.cursor = batch[-1].cursor
         finally:
             feed.unsubscribe(subscription)
 

@@ -10,6 +10,7 @@ from sessionrouter.server.core.estimators import EstimatorParams, validate_param
 from sessionrouter.server.core.groups import GroupRecord, GroupSettings, GroupState
 from sessionrouter.server.core.placement import PlacementMode, PlacementPolicy
 from sessionrouter.server.core.settings import RouterSettings
+from sessionrouter.server.core.sizes import check_reply_fits
 from sessionrouter.server.core.validation import (
     LABEL_VALUE_MAX_LEN,
     MAX_DEADLINE_S,
@@ -32,6 +33,11 @@ def check_start(
         check_id("group_id", cmd.group_id)
     metadata = check_string_map("metadata", cmd.metadata, METADATA_VALUE_MAX_LEN)
     check_range("group_size", cmd.group_size, min_group_size, MAX_GROUP_SIZE)
+    # Before anything is placed: a group whose reply a default client could not receive is
+    # refused, not created and then undeliverable. With replace_lost every member may be
+    # replaced once, so the group can come to hold twice its size.
+    size = max(1, cmd.group_size)
+    check_reply_fits(size, task_id, metadata, replacements=size if cmd.options.replace_lost else 0)
     return task_id, request_id, metadata
 
 

@@ -11,7 +11,8 @@ case without parsing the message.
     ├── NotFound              unknown worker, session or group
     ├── AlreadyExists         an id already taken by something else
     ├── FailedPrecondition    valid input that the current state refuses (group full, closed)
-    ├── ResourceExhausted     strict placement cannot give distinct workers
+    ├── ResourceExhausted     a limit (open groups, workers, reply bytes; details say which),
+    │                         or strict placement cannot give distinct workers
     ├── Unavailable           no eligible worker at all, or shutting down (retry_after_s)
     └── OutOfRange            a feed cursor older than what is retained
 """
@@ -59,7 +60,8 @@ class FailedPrecondition(RouterError):
 
 
 class ResourceExhausted(RouterError):
-    """Strict placement: fewer eligible workers than the group needs."""
+    """A limit is reached (the metadata names it and its value), or strict placement has
+    fewer eligible workers than the group needs."""
 
 
 class Unavailable(RouterError):

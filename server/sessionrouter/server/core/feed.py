@@ -18,6 +18,7 @@ from numpy.typing import NDArray
 
 from sessionrouter.server.core.errors import OutOfRange
 from sessionrouter.server.core.estimators import EstimatorParams
+from sessionrouter.server.core.sizes import result_bytes
 
 _NO_METRICS = np.zeros(0, dtype=np.float64)
 
@@ -70,14 +71,24 @@ class Subscription:
     cursor: int
 
 
+def _result_bytes(result: GroupResult) -> int:
+    members = len(result.sessions) + len(result.excluded_sessions) + len(result.replaced_sessions)
+    return result_bytes(members, len(result.group_id), len(result.task_id))
+
+
 class GroupFeed:
     """Ordered, bounded, resumable log of group results."""
 
-    def __init__(self, retention: int, last_cursor: int = 0) -> None:
+    def __init__(self, retention: int, last_cursor: int = 0, bytes_limit: int = 1 << 62) -> None:
         if retention < 1:
             raise ValueError("feed retention must be at least 1")
         self.retention = retention
+        self.bytes_limit = bytes_limit
+        """Wire-size estimate of the results kept, at most: beyond it the oldest go, as
+        beyond ``retention`` (the newest result always stays)."""
+        self.retained_bytes = 0
         self._items: list[GroupResult] = []
+        self._sizes: list[int] = []
         self._first = last_cursor + 1
         """Cursor of _items[0]."""
         self._changed = asyncio.Event()
@@ -108,11 +119,15 @@ class GroupFeed:
         if result.cursor != self.next_cursor():
             raise ValueError(f"cursor {result.cursor} published out of order")
         self._items.append(result)
+        size = _result_bytes(result)
+        self._sizes.append(size)
+        self.retained_bytes += size
         excess = len(self._items) - self.retention
         if excess >= max(1, self.retention // 8):
             # Evict in chunks so that appends stay O(1) amortised.
-            del self._items[:excess]
-            self._first += excess
+            self._evict(excess)
+        if self.retained_bytes > self.bytes_limit:
+            self._evict_to_bytes()
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
@@ -128,7 +143,27 @@ class GroupFeed:
         if cursors != list(range(first, last_cursor + 1)):
             raise ValueError(f"restored cursors are not a contiguous run ending at {last_cursor}")
         self._items = list(kept)
+        self._sizes = [_result_bytes(r) for r in kept]
+        self.retained_bytes = sum(self._sizes)
         self._first = first
+        if self.retained_bytes > self.bytes_limit:
+            self._evict_to_bytes()
+
+    def _evict(self, count: int) -> None:
+        self.retained_bytes -= sum(self._sizes[:count])
+        del self._items[:count]
+        del self._sizes[:count]
+        self._first += count
+
+    def _evict_to_bytes(self) -> None:
+        """Evicts the oldest results down to 7/8 of the byte limit (in one chunk, so that
+        appends stay O(1) amortised), keeping at least the newest."""
+        target = self.bytes_limit - self.bytes_limit // 8
+        total, count = self.retained_bytes, 0
+        while total > target and count < len(self._sizes) - 1:
+            total -= self._sizes[count]
+            count += 1
+        self._evict(count)
 
     def start_after(self, cursor: int) -> int:
         """The cursor a subscription asking for the groups after ``cursor`` starts after.

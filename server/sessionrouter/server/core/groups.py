@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from sessionrouter.server.core.errors import NotFound
 from sessionrouter.server.core.estimators import EstimatorParams
 from sessionrouter.server.core.placement import PlacementPolicy
+from sessionrouter.server.core.sizes import map_bytes, member_bytes
 from sessionrouter.server.core.validation import session_name
 
 
@@ -149,14 +150,26 @@ class RequestRecord:
     fingerprint: tuple[object, ...]
 
 
+def retained_bytes(group: GroupRecord) -> int:
+    """Wire-size estimate of a group with its members (``core.sizes``)."""
+    metadata = sum(map_bytes(s.metadata) for s in group.members)
+    per_member = member_bytes(len(group.group_id), len(group.task_id), 0)
+    return 256 + metadata + per_member * len(group.members)
+
+
 class GroupLedger:
     """Storage and lookup of groups, sessions and request ids."""
 
-    def __init__(self, finished_retention: int) -> None:
+    def __init__(self, finished_retention: int, finished_bytes_limit: int = 1 << 62) -> None:
         self.finished_retention = finished_retention
+        self.finished_bytes_limit = finished_bytes_limit
+        """Wire-size estimate of the finished groups kept, at most (``core.sizes``)."""
+        self.finished_bytes = 0
+        self.open_sessions = 0
+        """Members of the open groups: the sum of their sizes."""
         self._groups: dict[str, GroupRecord] = {}
         self._requests: dict[str, RequestRecord] = {}
-        self._finished: deque[str] = deque()
+        self._finished: deque[tuple[str, int]] = deque()
         self._order_seq: list[int] = []
         self._order_ids: list[str] = []
         self._next_seq = 1
@@ -212,6 +225,7 @@ class GroupLedger:
         self._order_seq.append(group.seq)
         self._order_ids.append(group.group_id)
         self.open_groups += 1
+        self.open_sessions += group.size
 
     def find_request(self, request_id: str) -> RequestRecord | None:
         return self._requests.get(request_id)
@@ -224,9 +238,16 @@ class GroupLedger:
         """Records that ``group`` finished; forgets the oldest finished groups beyond the
         retention window so that memory stays bounded on a long run."""
         self.open_groups -= 1
-        self._finished.append(group.group_id)
-        while len(self._finished) > self.finished_retention:
-            old = self._groups.pop(self._finished.popleft(), None)
+        self.open_sessions -= group.size
+        size = retained_bytes(group)
+        self._finished.append((group.group_id, size))
+        self.finished_bytes += size
+        while len(self._finished) > self.finished_retention or (
+            self.finished_bytes > self.finished_bytes_limit and len(self._finished) > 1
+        ):
+            old_id, old_size = self._finished.popleft()
+            self.finished_bytes -= old_size
+            old = self._groups.pop(old_id, None)
             if old is not None:
                 for request_id in old.request_ids:
                     self._requests.pop(request_id, None)

@@ -111,8 +111,12 @@ class SessionRouter:
         self.clock: Clock = clock or SystemClock()
         self.workers = WorkerRegistry(self.settings.heartbeat_timeout_s)
         self.workers.on_worker_lost = self._on_worker_lost
-        self.groups = GroupLedger(self.settings.finished_group_retention)
-        self.feed = GroupFeed(self.settings.feed_retention)
+        self.groups = GroupLedger(
+            self.settings.finished_group_retention, self.settings.max_retained_bytes
+        )
+        self.feed = GroupFeed(
+            self.settings.feed_retention, bytes_limit=self.settings.max_retained_bytes
+        )
         self.journal: JournalSink | None = None
         """Where changes are appended as events; None keeps the router in memory only."""
         self.finalizer = GroupFinalizer(
@@ -188,6 +192,13 @@ class SessionRouter:
     def register_worker(
         self, worker_id: str, address: str, capacity: int, labels: Mapping[str, str]
     ) -> WorkerRecord:
+        limit = self.settings.max_workers
+        if len(self.workers) >= limit and self.workers.find(worker_id) is None:
+            raise ResourceExhausted(
+                "WORKERS_LIMIT",
+                f"{len(self.workers)} workers are registered, at most {limit} allowed",
+                metadata={"workers": len(self.workers), "limit": limit},
+            )
         worker, created = self.workers.register(
             worker_id, address, capacity, labels, self.clock.monotonic(), self.clock.wall()
         )
@@ -307,6 +318,7 @@ class SessionRouter:
             created = False
         else:
             size = cmd.group_size or 1
+            self._check_room(size)
             settings = resolve_options(cmd.options, size, self.settings, cmd.placement_mode)
             group_id = cmd.group_id or uuid.uuid4().hex
             group = self._new_group(group_id, task_id, size, settings)
@@ -346,6 +358,7 @@ class SessionRouter:
                 f"group {cmd.group_id!r} already exists; StartSession joins an existing group",
                 metadata={"group_id": cmd.group_id},
             )
+        self._check_room(cmd.group_size)
         settings = resolve_options(cmd.options, cmd.group_size, self.settings, cmd.placement_mode)
         group = self._new_group(cmd.group_id or uuid.uuid4().hex, task_id, cmd.group_size, settings)
         try:
@@ -382,6 +395,30 @@ class SessionRouter:
         if not self.accepting:
             reason, message = self._refusal
             raise Unavailable(reason, message, retry_after_s=self.settings.retry_after_s)
+
+    def _check_room(self, size: int) -> None:
+        """ResourceExhausted when one more open group of ``size`` members would pass the
+        open-group or open-session limit (the details name the limit and its value)."""
+        limits = self.settings
+        groups = self.groups
+        if groups.open_groups >= limits.max_open_groups:
+            raise ResourceExhausted(
+                "OPEN_GROUPS_LIMIT",
+                f"{groups.open_groups} groups are open, at most {limits.max_open_groups}"
+                " allowed: finish or abort some first",
+                metadata={"open_groups": groups.open_groups, "limit": limits.max_open_groups},
+            )
+        if groups.open_sessions + size > limits.max_open_sessions:
+            raise ResourceExhausted(
+                "OPEN_SESSIONS_LIMIT",
+                f"open groups hold {groups.open_sessions} members; {size} more would pass the"
+                f" limit of {limits.max_open_sessions}",
+                metadata={
+                    "open_sessions": groups.open_sessions,
+                    "group_size": size,
+                    "limit": limits.max_open_sessions,
+                },
+            )
 
     def _new_group(
         self, group_id: str, task_id: str, size: int, settings: GroupSettings

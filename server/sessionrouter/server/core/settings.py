@@ -28,6 +28,16 @@ class RouterSettings:
     finished_group_retention: int = 100_000
     retry_after_s: float = 1.0
     """Delay suggested to callers refused with Unavailable."""
+    max_workers: int = 10_000
+    """Registered workers at most; registering one more is ResourceExhausted."""
+    max_open_groups: int = 100_000
+    """Open groups at most; starting one more is ResourceExhausted."""
+    max_open_sessions: int = 1_000_000
+    """Members the open groups hold (the sum of their sizes) at most."""
+    max_retained_bytes: int = 1 << 30
+    """Bytes (wire-size estimates) of the finished groups kept for GetGroup, and again of
+    the results kept in the feed for resuming subscribers: beyond it the oldest are
+    forgotten, as beyond the retention counts."""
 
 
 @dataclass(slots=True)

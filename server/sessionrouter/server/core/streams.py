@@ -10,8 +10,9 @@ makes the order on the wire the one the contract promises:
 - the stream ends only once every group it completed has been delivered, so that a client
   that half-closes right after its last reward still receives the advantages;
 - the flow stops reading when the client does not read its responses
-  (``STREAM_BACKLOG_LIMIT``) or the journal falls behind (``MAX_UNACKED_REQUESTS``), instead of
-  queueing without bound;
+  (``STREAM_BACKLOG_LIMIT`` events or ``STREAM_BACKLOG_BYTES``) or the journal falls behind
+  (``MAX_UNACKED_REQUESTS`` requests or ``MAX_UNACKED_ENTRIES`` entries), instead of
+  queueing without bound; gRPC flow control then holds the client back;
 - a request with no entries, or more than ``MAX_ENTRIES_PER_REQUEST``, is refused
   (InvalidArgument), ending the stream after the acks of the requests before it.
 
@@ -36,6 +37,7 @@ from sessionrouter.server.core.errors import InvalidArgument
 from sessionrouter.server.core.feed import GroupResult
 from sessionrouter.server.core.groups import GroupRecord, SessionRecord
 from sessionrouter.server.core.rewards import RewardOutcome
+from sessionrouter.server.core.sizes import map_bytes, member_bytes, result_bytes
 
 MAX_ENTRIES_PER_REQUEST = 4096
 STREAM_BACKLOG_LIMIT = 1024
@@ -43,6 +45,32 @@ STREAM_BACKLOG_LIMIT = 1024
 MAX_UNACKED_REQUESTS = 256
 """Requests of one stream applied but not yet acked (waiting for the journal) beyond which
 the stream stops reading: bounds what a fast sender can queue."""
+STREAM_BACKLOG_BYTES = 4 * 1024 * 1024
+"""Wire bytes (estimated) of the responses queued for one stream beyond which its reader
+stops reading: a client that sends 4,096-entry requests and never reads its acks holds the
+router to this, not to 1,024 such acks (about 200 MB)."""
+MAX_UNACKED_ENTRIES = 65_536
+"""Entries of one stream applied but not yet acked beyond which the stream stops reading."""
+
+
+def event_bytes(event: StreamEvent) -> int:
+    """Wire-size estimate of one queued response event."""
+    if isinstance(event, RewardAck):
+        return 16 + sum(8 + len(r.detail) for r in event.results)
+    if isinstance(event, MemberReplaced):
+        new = event.replacement
+        return (
+            member_bytes(len(event.group_id), len(event.group.task_id), map_bytes(new.metadata))
+            + len(event.group_id)
+            + len(event.replaced_session)
+            + len(event.reason)
+            + 32
+        )
+    return result_bytes(
+        len(event.sessions) + len(event.excluded_sessions) + len(event.replaced_sessions),
+        len(event.group_id),
+        len(event.task_id),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +166,7 @@ class RewardFlow:
         self._pending_groups = 0
         self._input_done = False
         self._intake: asyncio.Task[None] | None = None
+        self._backlog_bytes = 0
 
     # -- the reading side ------------------------------------------------------------------
 
@@ -164,12 +193,12 @@ class RewardFlow:
         self, requests: AsyncIterable[tuple[int, Entries]], acks: _DurableAcks
     ) -> None:
         async for sequence, entries in requests:
-            await self.room(STREAM_BACKLOG_LIMIT)
+            await self.room(STREAM_BACKLOG_LIMIT, STREAM_BACKLOG_BYTES)
             check_entries(len(entries))
             number = self.begin_request()
             outcomes = self._submit(entries, StreamOrigin(self, number))
             acks.add(self._commit(), number, RewardAck(sequence, outcomes))
-            await acks.room(MAX_UNACKED_REQUESTS)
+            await acks.room(MAX_UNACKED_REQUESTS, MAX_UNACKED_ENTRIES)
 
     def stop_intake(self) -> None:
         """Stops reading requests (a graceful drain): what was applied is still acked and the
@@ -192,6 +221,7 @@ class RewardFlow:
         """Queues the ack of request ``request_number`` and any results it unblocks."""
         self._acked = request_number
         self._events.append(ack)
+        self._backlog_bytes += event_bytes(ack)
         still_held = []
         for number, result in self._held:
             if number <= self._acked:
@@ -204,6 +234,7 @@ class RewardFlow:
     def deliver(self, request_number: int, result: GroupResult) -> None:
         """Queues a group result completed by request ``request_number``."""
         self._pending_groups -= 1
+        self._backlog_bytes += event_bytes(result)
         if request_number <= self._acked:
             self._events.append(result)
         else:
@@ -214,6 +245,7 @@ class RewardFlow:
         """Queues a replacement notice: it goes out with the next message, in no order
         relative to acks and results."""
         self._events.append(notice)
+        self._backlog_bytes += event_bytes(notice)
         self._ready.set()
 
     def end_input(self) -> None:
@@ -226,10 +258,16 @@ class RewardFlow:
         """Events queued but not yet written: the reader waits while this is large."""
         return len(self._events) + len(self._held)
 
-    async def room(self, limit: int) -> None:
-        """Waits until at most ``limit`` events are queued: a client that sends without
-        reading its responses is slowed down instead of growing the queue without bound."""
-        while self.backlog > limit:
+    @property
+    def backlog_bytes(self) -> int:
+        """Wire-size estimate of the events queued but not yet written."""
+        return self._backlog_bytes
+
+    async def room(self, limit: int, limit_bytes: int = STREAM_BACKLOG_BYTES) -> None:
+        """Waits until at most ``limit`` events and ``limit_bytes`` bytes are queued: a
+        client that sends without reading its responses is slowed down instead of growing
+        the queue without bound."""
+        while self.backlog > limit or self._backlog_bytes > limit_bytes:
             self._room.clear()
             await self._room.wait()
 
@@ -243,6 +281,7 @@ class RewardFlow:
             if self._events:
                 batch = list(self._events)
                 self._events.clear()
+                self._backlog_bytes -= sum(event_bytes(e) for e in batch)
                 self._room.set()
                 yield batch
                 continue
@@ -262,6 +301,7 @@ class _DurableAcks:
     def __init__(self, flow: RewardFlow) -> None:
         self._flow = flow
         self._queue: deque[tuple[Awaitable[None], int, RewardAck]] = deque()
+        self._entries = 0
         self._added = asyncio.Event()
         self._sent = asyncio.Event()
         self._closing = False
@@ -269,11 +309,13 @@ class _DurableAcks:
 
     def add(self, durable: Awaitable[None], number: int, ack: RewardAck) -> None:
         self._queue.append((durable, number, ack))
+        self._entries += len(ack.results)
         self._added.set()
 
-    async def room(self, limit: int) -> None:
-        """Waits while more than ``limit`` acks are queued; raises what failed the sender."""
-        while len(self._queue) > limit and not self._task.done():
+    async def room(self, limit: int, limit_entries: int) -> None:
+        """Waits while more than ``limit`` acks or ``limit_entries`` entries are queued;
+        raises what failed the sender."""
+        while (len(self._queue) > limit or self._entries > limit_entries) and not self._task.done():
             self._sent.clear()
             await self._sent.wait()
         if self._task.done():
@@ -298,6 +340,7 @@ class _DurableAcks:
                     durable, number, ack = self._queue[0]
                     await durable
                     self._queue.popleft()
+                    self._entries -= len(ack.results)
                     self._flow.ack(number, ack)
                     self._sent.set()
                 if self._closing:
