@@ -171,3 +171,43 @@ async def test_retained_bytes_forget_the_oldest_finished_groups() -> None:
         await h.sessions.GetGroup(spb.GetGroupRequest(group_id=ids[-1]))
     finally:
         await stop_harness(h)
+
+
+async def test_open_bytes_limit_refuses_groups_and_joins_that_would_pass_it() -> None:
+    h = await start_harness(RouterSettings(max_open_bytes=175_000), workers=POOL)
+    try:
+        metadata = {f"k{i}": "v" * 1000 for i in range(16)}  # about 17.5 KB a member
+        groups = []
+        for _ in range(2):  # each reserves 8 members' worth at creation, holds one
+            started = await h.sessions.StartSession(
+                spb.StartSessionRequest(task_id="t", group_size=8, metadata=metadata)
+            )
+            groups.append(started.session.group_id)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.sessions.StartGroup(
+                spb.StartGroupRequest(task_id="t", group_size=8, metadata=metadata)
+            )
+        found = details_of(info.value)
+        assert found.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert found.reason == "OPEN_BYTES_LIMIT" and found.metadata["limit"] == "175000"
+
+        async def join_until_refused() -> int:
+            joined = 0
+            for group_id in [groups[0]] * 7 + [groups[1]] * 7:
+                await h.sessions.StartSession(
+                    spb.StartSessionRequest(task_id="t", group_id=group_id, metadata=metadata)
+                )
+                joined += 1
+            return joined
+
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await join_until_refused()
+        assert details_of(info.value).reason == "OPEN_BYTES_LIMIT"
+        assert h.server.router.groups.open_bytes <= 175_000
+        members = 0
+        for group_id in groups:
+            got = await h.sessions.GetGroup(spb.GetGroupRequest(group_id=group_id))
+            members += len(got.group.members)
+        assert 2 < members < 16
+    finally:
+        await stop_harness(h)

@@ -215,6 +215,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_open_sessions", "--max-open-sessions", int, _R.max_open_sessions, "members"
             " of open groups (the sum of their sizes) at most; a group that would pass it is"
             " refused (RESOURCE_EXHAUSTED)", "limits.max_open_sessions", "N"),
+    Setting("max_open_bytes", "--max-open-bytes", int, _R.max_open_bytes, "bytes the open"
+            " groups hold with their metadata (wire-size estimate) at most; more is refused"
+            " (RESOURCE_EXHAUSTED)", "limits.max_open_bytes", "BYTES"),
     Setting("max_retained_bytes", "--max-retained-bytes", int, _R.max_retained_bytes,
             "bytes of finished groups kept for GetGroup, and of results kept in the feed"
             " (each); beyond it the oldest are forgotten", "limits.max_retained_bytes",
@@ -498,9 +501,16 @@ def build_config(
         max_workers=get("max_workers"),
         max_open_groups=get("max_open_groups"),
         max_open_sessions=get("max_open_sessions"),
+        max_open_bytes=get("max_open_bytes"),
         max_retained_bytes=get("max_retained_bytes"),
     )
-    for key in ("max_workers", "max_open_groups", "max_open_sessions", "max_retained_bytes"):
+    for key in (
+        "max_workers",
+        "max_open_groups",
+        "max_open_sessions",
+        "max_open_bytes",
+        "max_retained_bytes",
+    ):
         _check_positive(f"limits.{key}", getattr(settings, key))
     _check_positive("heartbeat_timeout_s", settings.heartbeat_timeout_s)
     _check_positive("groups.deadline_s", settings.deadline_s)

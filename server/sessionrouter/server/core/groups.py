@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import enum
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from sessionrouter.server.core.errors import NotFound
@@ -150,11 +150,18 @@ class RequestRecord:
     fingerprint: tuple[object, ...]
 
 
+GROUP_BYTES = 256
+"""Estimated bytes of a group apart from its members."""
+
+
+def member_cost(group: GroupRecord, metadata: Mapping[str, str]) -> int:
+    """Wire-size estimate of one member of ``group`` carrying ``metadata``."""
+    return member_bytes(len(group.group_id), len(group.task_id), map_bytes(metadata))
+
+
 def retained_bytes(group: GroupRecord) -> int:
     """Wire-size estimate of a group with its members (``core.sizes``)."""
-    metadata = sum(map_bytes(s.metadata) for s in group.members)
-    per_member = member_bytes(len(group.group_id), len(group.task_id), 0)
-    return 256 + metadata + per_member * len(group.members)
+    return GROUP_BYTES + sum(member_cost(group, s.metadata) for s in group.members)
 
 
 class GroupLedger:
@@ -167,6 +174,8 @@ class GroupLedger:
         self.finished_bytes = 0
         self.open_sessions = 0
         """Members of the open groups: the sum of their sizes."""
+        self.open_bytes = 0
+        """Wire-size estimate of the open groups with the members placed so far."""
         self._groups: dict[str, GroupRecord] = {}
         self._requests: dict[str, RequestRecord] = {}
         self._finished: deque[tuple[str, int]] = deque()
@@ -226,6 +235,11 @@ class GroupLedger:
         self._order_ids.append(group.group_id)
         self.open_groups += 1
         self.open_sessions += group.size
+        self.open_bytes += retained_bytes(group)
+
+    def member_joined(self, group: GroupRecord, metadata: Mapping[str, str]) -> None:
+        """A member was placed in ``group``, already added: counts its bytes."""
+        self.open_bytes += member_cost(group, metadata)
 
     def find_request(self, request_id: str) -> RequestRecord | None:
         return self._requests.get(request_id)
@@ -240,6 +254,7 @@ class GroupLedger:
         self.open_groups -= 1
         self.open_sessions -= group.size
         size = retained_bytes(group)
+        self.open_bytes -= size
         self._finished.append((group.group_id, size))
         self.finished_bytes += size
         while len(self._finished) > self.finished_retention or (

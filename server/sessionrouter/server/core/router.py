@@ -59,6 +59,7 @@ from sessionrouter.server.core.events import (
 from sessionrouter.server.core.feed import GroupFeed, GroupOutcome
 from sessionrouter.server.core.finalizer import FinishedGroup, GroupFinalizer
 from sessionrouter.server.core.groups import (
+    GROUP_BYTES,
     GroupLedger,
     GroupRecord,
     GroupSettings,
@@ -66,13 +67,16 @@ from sessionrouter.server.core.groups import (
     RequestRecord,
     SessionRecord,
     SessionState,
+    member_cost,
 )
 from sessionrouter.server.core.placement import PlacementMode, PlacementPolicy, choose_worker
 from sessionrouter.server.core.recovery import RestoreSummary, rebuild
 from sessionrouter.server.core.rewards import ACCEPTED, RewardOutcome, RewardStatus
 from sessionrouter.server.core.settings import RouterSettings, RouterSnapshot, RouterStats
+from sessionrouter.server.core.sizes import map_bytes, member_bytes
 from sessionrouter.server.core.streams import MemberReplaced, RewardFlow, StreamOrigin
 from sessionrouter.server.core.validation import (
+    ID_MAX_LEN,
     MAX_REWARD_MAGNITUDE,
     REASON_MAX_LEN,
     check_id,
@@ -314,11 +318,12 @@ class SessionRouter:
             check_joinable(
                 group, task_id, cmd.group_size, cmd.options, self.settings, cmd.placement_mode
             )
+            self._check_bytes(member_cost(group, metadata))
             session = self._place_member(group, request_id, metadata)
             created = False
         else:
             size = cmd.group_size or 1
-            self._check_room(size)
+            self._check_room(size, task_id, metadata)
             settings = resolve_options(cmd.options, size, self.settings, cmd.placement_mode)
             group_id = cmd.group_id or uuid.uuid4().hex
             group = self._new_group(group_id, task_id, size, settings)
@@ -358,7 +363,7 @@ class SessionRouter:
                 f"group {cmd.group_id!r} already exists; StartSession joins an existing group",
                 metadata={"group_id": cmd.group_id},
             )
-        self._check_room(cmd.group_size)
+        self._check_room(cmd.group_size, task_id, metadata)
         settings = resolve_options(cmd.options, cmd.group_size, self.settings, cmd.placement_mode)
         group = self._new_group(cmd.group_id or uuid.uuid4().hex, task_id, cmd.group_size, settings)
         try:
@@ -396,11 +401,26 @@ class SessionRouter:
             reason, message = self._refusal
             raise Unavailable(reason, message, retry_after_s=self.settings.retry_after_s)
 
-    def _check_room(self, size: int) -> None:
+    def _check_bytes(self, added: int) -> None:
+        """ResourceExhausted when ``added`` more bytes would pass the open-bytes limit."""
+        limit = self.settings.max_open_bytes
+        if self.groups.open_bytes + added > limit:
+            raise ResourceExhausted(
+                "OPEN_BYTES_LIMIT",
+                f"open groups hold about {self.groups.open_bytes} bytes; {added} more would"
+                f" pass the limit of {limit}: finish or abort some first",
+                metadata={"open_bytes": self.groups.open_bytes, "added": added, "limit": limit},
+            )
+
+    def _check_room(self, size: int, task_id: str, metadata: Mapping[str, str]) -> None:
         """ResourceExhausted when one more open group of ``size`` members would pass the
-        open-group or open-session limit (the details name the limit and its value)."""
+        open-group, open-session or open-bytes limit (the details name the limit and its
+        value)."""
         limits = self.settings
         groups = self.groups
+        self._check_bytes(
+            GROUP_BYTES + size * member_bytes(ID_MAX_LEN, len(task_id), map_bytes(metadata))
+        )
         if groups.open_groups >= limits.max_open_groups:
             raise ResourceExhausted(
                 "OPEN_GROUPS_LIMIT",
@@ -482,6 +502,8 @@ class SessionRouter:
             create_time=self.clock.wall(),
             shared_worker=choice.shared,
         )
+        if self.groups.find(group.group_id) is group:
+            self.groups.member_joined(group, metadata)
         group.members.append(session)
         group.members_per_worker[worker.worker_id] = (
             group.members_per_worker.get(worker.worker_id, 0) + 1

@@ -34,6 +34,9 @@ class RouterSettings:
     """Open groups at most; starting one more is ResourceExhausted."""
     max_open_sessions: int = 1_000_000
     """Members the open groups hold (the sum of their sizes) at most."""
+    max_open_bytes: int = 1 << 30
+    """Bytes (wire-size estimates) the open groups hold with their members' metadata at
+    most; a group or member that would pass it is ResourceExhausted."""
     max_retained_bytes: int = 1 << 30
     """Bytes (wire-size estimates) of the finished groups kept for GetGroup, and again of
     the results kept in the feed for resuming subscribers: beyond it the oldest are
