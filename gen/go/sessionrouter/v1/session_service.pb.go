@@ -102,7 +102,8 @@ const (
 	RewardStatus_REWARD_STATUS_CONFLICT RewardStatus = 3
 	// No such session (or a malformed session name).
 	RewardStatus_REWARD_STATUS_UNKNOWN_SESSION RewardStatus = 4
-	// NaN or infinity: refused.
+	// NaN, infinity, or a magnitude above 1e100 (beyond it the group statistics could
+	// overflow float64): refused.
 	RewardStatus_REWARD_STATUS_NOT_FINITE RewardStatus = 5
 	// The session was aborted: refused.
 	RewardStatus_REWARD_STATUS_SESSION_ABORTED RewardStatus = 6

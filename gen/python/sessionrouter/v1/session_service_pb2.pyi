@@ -87,7 +87,9 @@ class _RewardStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RewardSt
     REWARD_STATUS_UNKNOWN_SESSION: _RewardStatus.ValueType  # 4
     """No such session (or a malformed session name)."""
     REWARD_STATUS_NOT_FINITE: _RewardStatus.ValueType  # 5
-    """NaN or infinity: refused."""
+    """NaN, infinity, or a magnitude above 1e100 (beyond it the group statistics could
+    overflow float64): refused.
+    """
     REWARD_STATUS_SESSION_ABORTED: _RewardStatus.ValueType  # 6
     """The session was aborted: refused."""
     REWARD_STATUS_GROUP_CLOSED: _RewardStatus.ValueType  # 7
@@ -107,7 +109,9 @@ REWARD_STATUS_CONFLICT: RewardStatus.ValueType  # 3
 REWARD_STATUS_UNKNOWN_SESSION: RewardStatus.ValueType  # 4
 """No such session (or a malformed session name)."""
 REWARD_STATUS_NOT_FINITE: RewardStatus.ValueType  # 5
-"""NaN or infinity: refused."""
+"""NaN, infinity, or a magnitude above 1e100 (beyond it the group statistics could
+overflow float64): refused.
+"""
 REWARD_STATUS_SESSION_ABORTED: RewardStatus.ValueType  # 6
 """The session was aborted: refused."""
 REWARD_STATUS_GROUP_CLOSED: RewardStatus.ValueType  # 7
