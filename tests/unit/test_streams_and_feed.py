@@ -231,5 +231,6 @@ def test_feed_evicts_beyond_its_byte_limit_keeping_the_newest() -> None:
         assert feed.retained_bytes <= 10 * one
     assert feed.last_cursor == 100
     assert [r.cursor for r in feed.read_after(99, 5)] == [100]
+    assert feed.oldest_cursor > 80
     with pytest.raises(OutOfRange):
-        feed.read_after(0, 5)
+        feed.read_after(50, 5)
