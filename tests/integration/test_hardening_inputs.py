@@ -149,8 +149,13 @@ async def test_payloads_that_do_not_decode_get_invalid_argument_and_create_nothi
     call: Any = h.channel.unary_unary("/sessionrouter.v1.SessionService/StartGroup")
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call(payload)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "not a valid message" in (info.value.details() or "")
+    found = details_of(info.value)
+    assert found.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid message" in found.message
+    assert found.reason == "UNDECODABLE_PAYLOAD"
+    assert found.metadata["payload_bytes"] == str(len(payload))
+    # Counted with every other refusal (the sessionrouter_refusals metric reads these).
+    assert h.server.refusals.counts[("UNDECODABLE_PAYLOAD", "INVALID_ARGUMENT")] == 1
     assert await _group_count(h) == 0
     register: Any = h.channel.unary_unary("/sessionrouter.v1.WorkerService/RegisterWorker")
     with pytest.raises(grpc.aio.AioRpcError) as info:

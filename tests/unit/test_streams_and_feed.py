@@ -3,25 +3,35 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable
 
 import numpy as np
 import pytest
 
+from sessionrouter.server.core.clock import ManualClock
 from sessionrouter.server.core.errors import InvalidArgument, OutOfRange
 from sessionrouter.server.core.estimators import EstimatorParams
 from sessionrouter.server.core.feed import GroupFeed, GroupOutcome, GroupResult
 from sessionrouter.server.core.rewards import ACCEPTED, RewardOutcome
+from sessionrouter.server.core.router import (
+    OptionsSpec,
+    RouterSettings,
+    SessionRouter,
+    StartGroupCommand,
+)
 from sessionrouter.server.core.streams import (
     MAX_ENTRIES_PER_REQUEST,
     STREAM_BACKLOG_BYTES,
     Entries,
+    MemberReplaced,
     RewardAck,
     RewardFlow,
     StreamEvent,
     StreamOrigin,
     event_bytes,
 )
+from sessionrouter.server.servicer import MESSAGE_BYTE_BUDGET, _feed_messages
 
 
 def no_submit(entries: Entries, origin: StreamOrigin) -> list[RewardOutcome]:
@@ -234,3 +244,56 @@ def test_feed_evicts_beyond_its_byte_limit_keeping_the_newest() -> None:
     assert feed.oldest_cursor > 80
     with pytest.raises(OutOfRange):
         feed.read_after(50, 5)
+
+
+async def test_a_replacement_notice_counts_in_the_backlog_bytes_and_leaves_with_it() -> None:
+    router = SessionRouter(RouterSettings(), ManualClock())
+    for i in range(3):
+        router.register_worker(f"w{i}", f"10.0.0.{i}:1", 4, {})
+    started = router.start_group(
+        StartGroupCommand(task_id="t", group_size=2, options=OptionsSpec(replace_lost=True))
+    )
+    stream = RewardFlow(no_submit, no_commit)
+    router.reward_flows.add(stream)
+    router.abort_session(started.group.members[0].name, "", retryable=True)
+    assert stream.backlog == 1 and stream.backlog_bytes > 0
+    stream.end_input()
+    events = await drain(stream)
+    assert [type(e) for e in events] == [MemberReplaced]
+    assert stream.backlog_bytes == 0
+
+
+def _feed_result(cursor: int, degenerate: bool, members: int) -> GroupResult:
+    names = tuple(f"groups/g{cursor}/sessions/{i}" for i in range(members))
+    return dataclasses.replace(
+        result(cursor),
+        group_size=members,
+        sessions=names,
+        rewards=np.arange(members, dtype=np.float64),
+        advantages=np.zeros(members),
+        degenerate=degenerate,
+    )
+
+
+def test_feed_messages_split_by_bytes_count_skips_and_name_the_last_cursor_covered() -> None:
+    """Kept groups fill messages up to the byte budget; a degenerate group skipped between two
+    messages belongs to the first, so resuming after any message's last cursor loses nothing."""
+    batch = [_feed_result(c, degenerate=c % 3 == 0, members=2000) for c in range(1, 61)]
+    messages = _feed_messages(batch, skip_degenerate=True)
+    assert len(messages) > 1
+    assert all(m.ByteSize() <= MESSAGE_BYTE_BUDGET for m in messages)
+    kept = [g.cursor for m in messages for g in m.groups]
+    assert kept == [c for c in range(1, 61) if c % 3 != 0]
+    assert sum(m.skipped_degenerate for m in messages) == 20
+    covered = 0
+    for message in messages:
+        groups = [g.cursor for g in message.groups]
+        assert groups and groups[-1] <= message.last_cursor
+        # What this message covers: everything after the previous message's last cursor.
+        between = range(covered + 1, message.last_cursor + 1)
+        assert message.skipped_degenerate == sum(1 for c in between if c % 3 == 0)
+        covered = message.last_cursor
+    assert covered == 60
+    unskipped = _feed_result(1, degenerate=True, members=1)
+    only_skips = _feed_messages([unskipped], skip_degenerate=True)
+    assert [(len(m.groups), m.skipped_degenerate, m.last_cursor) for m in only_skips] == [(0, 1, 1)]

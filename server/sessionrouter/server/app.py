@@ -139,7 +139,8 @@ class RouterServer:
             interceptors.append(RoleAuthInterceptor(cfg.tokens))
         if cfg.tracing:
             interceptors += self._tracing()
-        interceptors.append(DecodingInterceptor())  # innermost: it wraps the services' own
+        # Innermost: it wraps the services' own handlers, after metrics, auth and tracing.
+        interceptors.append(DecodingInterceptor(self.refusals))
         server = grpc.aio.server(options=options, interceptors=interceptors)
         self._sessions = SessionServicer(self.router, self._commit, self.refusals)
         spb_grpc.add_SessionServiceServicer_to_server(self._sessions, server)

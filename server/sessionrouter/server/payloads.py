@@ -9,7 +9,9 @@ INVALID_ARGUMENT when it meets one. A request stream ends, for the method, at th
 that did not decode: the method answers the messages before it as after a half-close (a
 SubmitRewards stream acks them and delivers the groups they completed), then the call ends
 with INVALID_ARGUMENT. Every service the server hosts is covered,
-health and reflection included.
+health and reflection included. The refusal is a core ``InvalidArgument`` (reason
+``UNDECODABLE_PAYLOAD``, the payload's size and the decoder's error in the details) and goes
+through ``status.Refusals`` like every other, so it is counted and logged with them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+
+from sessionrouter.server.core.errors import InvalidArgument
+from sessionrouter.server.status import Refusals
 
 ReplyTo = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Any]
 
@@ -47,11 +52,13 @@ def safe_deserializer(decode: Callable[[bytes], Any] | None) -> Callable[[bytes]
     return deserialize
 
 
-async def _refuse(context: grpc.aio.ServicerContext[Any, Any], bad: Undecodable) -> None:
-    await context.abort(
-        grpc.StatusCode.INVALID_ARGUMENT,
+def undecodable_error(bad: Undecodable) -> InvalidArgument:
+    """The core error a payload that did not decode becomes."""
+    return InvalidArgument(
+        "UNDECODABLE_PAYLOAD",
         f"the request payload ({bad.size} bytes) is not a valid message of this method"
         f" ({bad.problem}: not protobuf, or a string field that is not UTF-8)",
+        metadata={"payload_bytes": bad.size, "problem": bad.problem},
     )
 
 
@@ -71,8 +78,14 @@ class _Checked:
             yield request
 
 
-def _guard(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+def _guard(
+    handler: grpc.RpcMethodHandler[Any, Any], refusals: Refusals
+) -> grpc.RpcMethodHandler[Any, Any]:
     """The same handler with a deserializer that cannot raise, and a check of its result."""
+
+    async def _refuse(context: grpc.aio.ServicerContext[Any, Any], bad: Undecodable) -> None:
+        await context.abort_with_status(refusals.status_of(undecodable_error(bad)))
+
     des = safe_deserializer(handler.request_deserializer)
     ser = handler.response_serializer
     if handler.response_streaming:
@@ -84,7 +97,7 @@ def _guard(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[An
         if not inspect.isasyncgenfunction(inner):
             # The read/write API (``context.write``; health's Watch): nothing to wrap for
             # replies, only the request to check.
-            return _guard_writer(handler, inner, des, ser)
+            return _guard_writer(handler, inner, des, ser, _refuse)
     if handler.request_streaming and handler.response_streaming:
         inner_ss: ReplyTo = handler.stream_stream  # type: ignore[assignment]
 
@@ -136,6 +149,7 @@ def _guard_writer(
     inner: ReplyTo,
     des: Callable[[bytes], Any],
     ser: Callable[[Any], bytes] | None,
+    refuse: Callable[[grpc.aio.ServicerContext[Any, Any], Undecodable], Awaitable[None]],
 ) -> grpc.RpcMethodHandler[Any, Any]:
     """A guarded response-streaming handler written as a coroutine."""
     if handler.request_streaming:
@@ -144,13 +158,13 @@ def _guard_writer(
             checked = _Checked(requests)
             await inner(checked, context)
             if checked.bad is not None:
-                await _refuse(context, checked.bad)
+                await refuse(context, checked.bad)
 
         return grpc.stream_stream_rpc_method_handler(stream_writer, des, ser)
 
     async def unary_writer(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         if isinstance(request, Undecodable):
-            await _refuse(context, request)
+            await refuse(context, request)
         await inner(request, context)
 
     return grpc.unary_stream_rpc_method_handler(unary_writer, des, ser)
@@ -161,7 +175,8 @@ class DecodingInterceptor(grpc.aio.ServerInterceptor):
     in the server's list), so the handler it wraps is the service's own, one per method, and
     the guarded one is built once and reused."""
 
-    def __init__(self) -> None:
+    def __init__(self, refusals: Refusals | None = None) -> None:
+        self._refusals = refusals or Refusals()
         self._guarded: dict[
             str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]
         ] = {}
@@ -179,5 +194,5 @@ class DecodingInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         known = self._guarded.get(method)
         if known is None or known[0] is not handler:
-            known = self._guarded[method] = (handler, _guard(handler))
+            known = self._guarded[method] = (handler, _guard(handler, self._refusals))
         return known[1]
