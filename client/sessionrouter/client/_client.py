@@ -5,6 +5,9 @@ Methods take and return the dataclasses of ``sessionrouter.client.types``; failu
 metadata, one overall deadline, and UNAVAILABLE retried under the client's ``RetryPolicy``
 (every unary call here is idempotent; see ``_retry``). Streams are not retried as a whole:
 the feed reconnects and resumes from its cursor, for as long as the caller wants.
+
+It is over 500 lines because it is the public surface, one method per RPC with its typed
+parameters and docstring; the logic behind them lives in ``_retry``, ``_feed`` and ``_rewards``.
 """
 
 # `timeout=` on these coroutines is the gRPC deadline, sent to the router and shared by the

@@ -12,7 +12,7 @@ before it replies. ``restore`` rebuilds the state from what a journal read back 
 
 The command and result types are in ``core.commands``, the settings in ``core.settings``, the
 checks of a start request in ``core.admission``: this module holds the rules that change state.
-It is near 600 lines because every command that changes state is here, on purpose: each must
+It is over 700 lines because every command that changes state is here, on purpose: each must
 run to completion on the loop, and their invariants (slots, members per worker, deadlines,
 the events they journal) interlock; split across modules they would need each other's
 internals.

@@ -4,6 +4,9 @@ fold's row changes, append and read ``log`` rows, compact.
 Everything here is synchronous and runs on one thread at a time: the writer thread while the
 router serves, the caller's before (start-up) and in tools. ``JournalTables`` is also the
 seam for fault injection: a test passes a subclass whose writes fail.
+
+It is over 500 lines because it is the one place that issues SQL against the file: splitting
+load from apply would spread the statements that must agree with ``schema`` over two modules.
 """
 
 from __future__ import annotations
