@@ -147,6 +147,18 @@ class TrivialSessionService(session_service_pb2_grpc.SessionServiceServicer):
         await asyncio.Event().wait()
         yield session_service_pb2.SubscribeGroupsResponse()
 
+    async def SetTrainerState(
+        self, request: session_service_pb2.SetTrainerStateRequest, context: _Context
+    ) -> session_service_pb2.SetTrainerStateResponse:
+        state = session_service_pb2.SetTrainerStateResponse()
+        state.state.version = request.version
+        return state
+
+    async def GetTrainerState(
+        self, request: session_service_pb2.GetTrainerStateRequest, context: _Context
+    ) -> session_service_pb2.GetTrainerStateResponse:
+        return session_service_pb2.GetTrainerStateResponse()
+
 
 class TrivialWorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
     """WorkerService echoing a healthy worker."""
@@ -187,6 +199,18 @@ class TrivialWorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
         self, request: worker_service_pb2.ListWorkersRequest, context: _Context
     ) -> worker_service_pb2.ListWorkersResponse:
         return worker_service_pb2.ListWorkersResponse()
+
+    async def BeginWeightUpdate(
+        self, request: worker_service_pb2.BeginWeightUpdateRequest, context: _Context
+    ) -> worker_service_pb2.BeginWeightUpdateResponse:
+        return worker_service_pb2.BeginWeightUpdateResponse()
+
+    async def CompleteWeightUpdate(
+        self, request: worker_service_pb2.CompleteWeightUpdateRequest, context: _Context
+    ) -> worker_service_pb2.CompleteWeightUpdateResponse:
+        worker = _worker(request.worker_id)
+        worker.policy_version = request.version
+        return worker_service_pb2.CompleteWeightUpdateResponse(worker=worker, update_finished=True)
 
 
 def _write_port_file(path: Path, port: int) -> None:

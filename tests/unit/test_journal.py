@@ -361,8 +361,9 @@ def test_a_journal_from_a_newer_router_is_refused(tmp_path: Path) -> None:
 def test_a_journal_of_an_unsupported_older_schema_is_refused(tmp_path: Path) -> None:
     SqliteJournal(tmp_path).close_now()
     set_meta(tmp_path / JOURNAL_FILE, "schema_version", 0)
-    with pytest.raises(JournalError, match="schema version 0 is not supported"):
+    with pytest.raises(JournalError, match="schema version 0 is not supported") as info:
         SqliteJournal(tmp_path)
+    assert str(tmp_path / JOURNAL_FILE) in str(info.value)
 
 
 def test_a_journal_without_its_meta_table_is_refused(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from google.protobuf import duration_pb2, timestamp_pb2
 
-from sessionrouter.server.core import feed, groups, placement, rewards, router
+from sessionrouter.server.core import feed, groups, placement, rewards, router, staleness
 from sessionrouter.server.core.errors import InvalidArgument
 from sessionrouter.server.core.estimators import EstimatorParams
 from sessionrouter.server.core.streams import MemberReplaced
@@ -37,6 +37,7 @@ REWARD_STATUS = {
     rewards.RewardStatus.NOT_FINITE: spb.REWARD_STATUS_NOT_FINITE,
     rewards.RewardStatus.SESSION_ABORTED: spb.REWARD_STATUS_SESSION_ABORTED,
     rewards.RewardStatus.GROUP_CLOSED: spb.REWARD_STATUS_GROUP_CLOSED,
+    rewards.RewardStatus.INVALID_VERSIONS: spb.REWARD_STATUS_INVALID_VERSIONS,
 }
 _PLACEMENT: dict[int, placement.PlacementMode | None] = {
     spb.PLACEMENT_MODE_UNSPECIFIED: None,
@@ -71,6 +72,8 @@ def worker_to_proto(w: WorkerRecord) -> pb.Worker:
         draining=w.draining,
         open_sessions=len(w.open_sessions),
         last_heartbeat_time=timestamp(w.last_heartbeat_wall),
+        policy_version=w.policy_version,
+        updating_to_version=w.updating_to,
     )
 
 
@@ -89,6 +92,10 @@ def session_to_proto(s: groups.SessionRecord, group: groups.GroupRecord | None) 
         request_id=s.request_id,
         create_time=timestamp(s.create_time),
         shares_worker=group.shares_worker(s) if group is not None else s.shared_worker,
+        start_version=s.start_version,
+        min_version=s.min_version,
+        max_version=s.max_version,
+        interrupted=s.interrupted,
     )
     if s.reward is not None:
         msg.reward = s.reward
@@ -119,6 +126,7 @@ def group_to_proto(g: groups.GroupRecord, *, with_members: bool = True) -> pb.Gr
         cursor=g.cursor,
         distinct_workers=g.distinct_workers,
         shared_worker=g.distinct_workers < len(g.members),
+        admitted_trainer_version=g.admitted_version,
     )
 
 
@@ -158,6 +166,10 @@ def result_to_proto(r: feed.GroupResult) -> pb.GroupResult:
         finalize_time=timestamp(r.finalize_time),
         filter_metrics=r.filter_metrics.tolist(),
         replaced_sessions=r.replaced_sessions,
+        min_version=r.min_version,
+        max_version=r.max_version,
+        trainer_version=r.trainer_version,
+        admitted_trainer_version=r.admitted_version,
     )
 
 
@@ -168,6 +180,32 @@ def replacement_to_proto(notice: MemberReplaced) -> spb.MemberReplaced:
         replacement=session_to_proto(notice.replacement, notice.group),
         reason=notice.reason,
     )
+
+
+def trainer_state_to_proto(r: router.SessionRouter) -> pb.TrainerState:
+    gate, update = r.trainer, r.weight_update
+    snap = r.snapshot()
+    msg = pb.TrainerState(
+        version=gate.version,
+        refuse_mixed_versions=gate.refuse_mixed_versions,
+        groups_started=gate.started,
+        groups_dropped=gate.dropped,
+        admission_limit=gate.limit,
+        weight_update_version=update.version if update else 0,
+        weight_update_fleet_wide=update.fleet_wide if update else False,
+        workers_updating=snap.workers_updating,
+        distinct_worker_versions=snap.worker_versions_distinct,
+    )
+    if gate.policy is not None:
+        msg.policy.max_staleness = gate.policy.max_staleness
+        msg.policy.batch_size = gate.policy.batch_size
+    return msg
+
+
+def policy_from_proto(req: spb.SetTrainerStateRequest) -> staleness.StalenessPolicy | None:
+    if not req.HasField("policy"):
+        return None
+    return staleness.StalenessPolicy(req.policy.max_staleness, req.policy.batch_size)
 
 
 def options_from_proto(msg: pb.GroupOptions) -> router.OptionsSpec:

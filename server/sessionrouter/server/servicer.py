@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterable, AsyncIterator
-from typing import NoReturn
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from typing import NoReturn, TypeVar
 
 import grpc
 
@@ -28,6 +28,7 @@ from sessionrouter.server.core.sizes import MESSAGE_BUDGET_BYTES
 from sessionrouter.server.core.streams import (
     Commit,
     Entries,
+    Entry,
     MemberReplaced,
     RewardAck,
     RewardFlow,
@@ -53,6 +54,25 @@ StartGroup refuses a group whose result could not fit (``core.sizes``)."""
 
 AFTER_CURSOR_HEADER = "sessionrouter-after-cursor"
 """SubscribeGroups response header: the cursor the stream delivers after (decimal)."""
+DEFAULT_ADMISSION_WAIT_S = 60.0
+"""How long a start that asks to wait for admission waits when the call has no deadline."""
+
+_T = TypeVar("_T")
+
+
+async def _start(
+    router: SessionRouter,
+    start: Callable[[], _T],
+    wait: bool,
+    context: grpc.aio.ServicerContext[object, object],
+) -> _T:
+    """Runs a start now, or, when the caller asks to wait for admission, until admission
+    opens within the call's deadline."""
+    if not wait:
+        return start()
+    remaining = context.time_remaining()
+    timeout = DEFAULT_ADMISSION_WAIT_S if remaining is None else min(remaining, 86_400.0)
+    return await router.start_when_admitted(start, timeout)
 
 
 class _Refusing:
@@ -75,6 +95,17 @@ class _Refusing:
             await self._abort(context, error)
 
 
+def _entry(e: spb.RewardEntry) -> Entry:
+    """A reward entry as the core takes it: the filter metric only when given, the versions
+    only when one of them is set."""
+    metric = e.filter_metric if e.HasField("filter_metric") else None
+    if e.min_version or e.max_version:
+        return (e.session, e.reward, metric, e.min_version, e.max_version)
+    if metric is not None:
+        return (e.session, e.reward, metric)
+    return (e.session, e.reward)
+
+
 async def _reward_requests(
     requests: AsyncIterable[spb.SubmitRewardsRequest],
 ) -> AsyncIterator[tuple[int, Entries]]:
@@ -82,12 +113,7 @@ async def _reward_requests(
     async for request in requests:
         yield (
             request.sequence,
-            [
-                (e.session, e.reward, e.filter_metric)
-                if e.HasField("filter_metric")
-                else (e.session, e.reward)
-                for e in request.entries
-            ],
+            [_entry(e) for e in request.entries],
         )
 
 
@@ -129,18 +155,22 @@ def _pack_stream_events(events: list[StreamEvent]) -> list[spb.SubmitRewardsResp
 
 
 def _feed_messages(
-    batch: list[GroupResult], skip_degenerate: bool
+    batch: list[GroupResult], skip_degenerate: bool, min_version: int = 0
 ) -> list[spb.SubscribeGroupsResponse]:
     """One read batch (cursor order) as feed messages of at most MESSAGE_BYTE_BUDGET bytes
-    each. Each message counts the degenerate groups it skipped and names the last cursor it
-    covers, skipped ones included; a batch gives at least one message, so a trainer that
-    skips every group still sees its cursor move."""
+    each. A group older than ``min_version`` (its min_version below it) is skipped and
+    counted in ``skipped_groups``; otherwise, with ``skip_degenerate``, a degenerate group is
+    skipped and counted in ``skipped_degenerate`` (so a group is counted once). Each message
+    names the last cursor it covers, skipped ones included; a batch gives at least one
+    message, so a trainer that skips every group still sees its cursor move."""
     messages: list[spb.SubscribeGroupsResponse] = []
     current = spb.SubscribeGroupsResponse()
     size = 0
     covered = 0
     for group in batch:
-        if skip_degenerate and group.degenerate:
+        if min_version and group.min_version < min_version:
+            current.skipped_groups += 1
+        elif skip_degenerate and group.degenerate:
             current.skipped_degenerate += 1
         else:
             result = convert.result_to_proto(group)
@@ -185,7 +215,11 @@ class WorkerServicer(_Refusing, wpb_grpc.WorkerServiceServicer):
     ) -> wpb.RegisterWorkerResponse:
         try:
             worker = self._router.register_worker(
-                request.worker_id, request.address, request.capacity, dict(request.labels)
+                request.worker_id,
+                request.address,
+                request.capacity,
+                dict(request.labels),
+                request.policy_version,
             )
         except RouterError as error:
             await self._abort(context, error)
@@ -200,10 +234,13 @@ class WorkerServicer(_Refusing, wpb_grpc.WorkerServiceServicer):
         self, request: wpb.HeartbeatRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> wpb.HeartbeatResponse:
         try:
-            worker = self._router.heartbeat(request.worker_id)
+            worker = self._router.heartbeat(request.worker_id, request.policy_version)
         except RouterError as error:
             await self._abort(context, error)
-        return wpb.HeartbeatResponse(worker=convert.worker_to_proto(worker))
+        reply = wpb.HeartbeatResponse(worker=convert.worker_to_proto(worker))
+        if request.policy_version:
+            await self._durable(context)  # a new version is journaled
+        return reply
 
     async def DrainWorker(
         self, request: wpb.DrainWorkerRequest, context: grpc.aio.ServicerContext[object, object]
@@ -253,6 +290,41 @@ class WorkerServicer(_Refusing, wpb_grpc.WorkerServiceServicer):
             next_page_token=paging.encode("workers", last),
         )
 
+    async def BeginWeightUpdate(
+        self,
+        request: wpb.BeginWeightUpdateRequest,
+        context: grpc.aio.ServicerContext[object, object],
+    ) -> wpb.BeginWeightUpdateResponse:
+        try:
+            workers, interrupted = self._router.begin_weight_update(
+                request.version, list(request.worker_ids), request.interrupt_sessions
+            )
+        except RouterError as error:
+            await self._abort(context, error)
+        reply = wpb.BeginWeightUpdateResponse(
+            workers=[convert.worker_to_proto(w) for w in workers],
+            interrupted_sessions=interrupted,
+        )
+        await self._durable(context)
+        return reply
+
+    async def CompleteWeightUpdate(
+        self,
+        request: wpb.CompleteWeightUpdateRequest,
+        context: grpc.aio.ServicerContext[object, object],
+    ) -> wpb.CompleteWeightUpdateResponse:
+        try:
+            worker, finished = self._router.complete_weight_update(
+                request.worker_id, request.version
+            )
+        except RouterError as error:
+            await self._abort(context, error)
+        reply = wpb.CompleteWeightUpdateResponse(
+            worker=convert.worker_to_proto(worker), update_finished=finished
+        )
+        await self._durable(context)
+        return reply
+
 
 class SessionServicer(_Refusing, spb_grpc.SessionServiceServicer):
     """SessionService over the router core."""
@@ -274,7 +346,13 @@ class SessionServicer(_Refusing, spb_grpc.SessionServiceServicer):
         self, request: spb.StartSessionRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> spb.StartSessionResponse:
         try:
-            started = self._router.start_session(convert.start_session_from_proto(request))
+            command = convert.start_session_from_proto(request)
+            started = await _start(
+                self._router,
+                lambda: self._router.start_session(command),
+                request.wait_for_admission,
+                context,
+            )
         except RouterError as error:
             await self._abort(context, error)
         reply = spb.StartSessionResponse(
@@ -292,7 +370,13 @@ class SessionServicer(_Refusing, spb_grpc.SessionServiceServicer):
         self, request: spb.StartGroupRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> spb.StartGroupResponse:
         try:
-            started = self._router.start_group(convert.start_group_from_proto(request))
+            group_command = convert.start_group_from_proto(request)
+            started = await _start(
+                self._router,
+                lambda: self._router.start_group(group_command),
+                request.wait_for_admission,
+                context,
+            )
         except RouterError as error:
             await self._abort(context, error)
         reply = spb.StartGroupResponse(
@@ -405,7 +489,7 @@ class SessionServicer(_Refusing, spb_grpc.SessionServiceServicer):
                     if not await feed.wait_beyond(cursor):
                         await self._abort(context, self._draining_error("group feed", cursor))
                     continue
-                for message in _feed_messages(batch, request.skip_degenerate):
+                for message in _feed_messages(batch, request.skip_degenerate, request.min_version):
                     yield message
                 cursor = subscription.cursor = batch[-1].cursor
         finally:
@@ -431,3 +515,31 @@ class SessionServicer(_Refusing, spb_grpc.SessionServiceServicer):
             retry_after_s=self._router.settings.retry_after_s,
             metadata=metadata,
         )
+
+    async def SetTrainerState(
+        self,
+        request: spb.SetTrainerStateRequest,
+        context: grpc.aio.ServicerContext[object, object],
+    ) -> spb.SetTrainerStateResponse:
+        try:
+            self._router.set_trainer_state(
+                request.version,
+                convert.policy_from_proto(request),
+                clear_policy=request.clear_policy,
+                reset_counters=request.reset_counters,
+                refuse_mixed_versions=request.refuse_mixed_versions
+                if request.HasField("refuse_mixed_versions")
+                else None,
+            )
+        except RouterError as error:
+            await self._abort(context, error)
+        reply = spb.SetTrainerStateResponse(state=convert.trainer_state_to_proto(self._router))
+        await self._durable(context)
+        return reply
+
+    async def GetTrainerState(
+        self,
+        request: spb.GetTrainerStateRequest,
+        context: grpc.aio.ServicerContext[object, object],
+    ) -> spb.GetTrainerStateResponse:
+        return spb.GetTrainerStateResponse(state=convert.trainer_state_to_proto(self._router))

@@ -2,8 +2,8 @@
 
 Every RouterError becomes a ``google.rpc.Status`` carrying an ``ErrorInfo`` (reason, domain,
 metadata with the numbers), a ``BadRequest`` when fields are named, and a ``RetryInfo`` for
-Unavailable; grpcio-status puts it in the ``grpc-status-details-bin`` trailer that clients in
-every language know how to read.
+Unavailable and the staleness limit; grpcio-status puts it in the
+``grpc-status-details-bin`` trailer that clients in every language know how to read.
 """
 
 from __future__ import annotations
@@ -97,9 +97,10 @@ def to_status(error: errors.RouterError) -> grpc.Status:
                 )
             )
         )
-    if isinstance(error, errors.Unavailable):
+    retry_after_s = getattr(error, "retry_after_s", None)
+    if isinstance(retry_after_s, float | int):
         delay = duration_pb2.Duration()
-        delay.FromNanoseconds(int(error.retry_after_s * 1e9))
+        delay.FromNanoseconds(int(retry_after_s * 1e9))
         details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
     status = status_pb2.Status(
         code=code, message=clip(error.message, MESSAGE_MAX_BYTES), details=details

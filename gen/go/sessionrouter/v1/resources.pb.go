@@ -288,6 +288,13 @@ type Worker struct {
 	OpenSessions uint32 `protobuf:"varint,7,opt,name=open_sessions,json=openSessions,proto3" json:"open_sessions,omitempty"`
 	// When the last heartbeat (or the registration) arrived.
 	LastHeartbeatTime *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=last_heartbeat_time,json=lastHeartbeatTime,proto3" json:"last_heartbeat_time,omitempty"`
+	// The policy (weight) version the worker serves, as it last reported it at RegisterWorker
+	// or Heartbeat; 0 means unknown. Never goes backwards.
+	PolicyVersion uint64 `protobuf:"varint,40,opt,name=policy_version,json=policyVersion,proto3" json:"policy_version,omitempty"`
+	// Non-zero while the worker is in a weight update to this version (BeginWeightUpdate): it
+	// takes no new sessions until CompleteWeightUpdate, or a heartbeat reporting this version
+	// or a newer one, puts it back.
+	UpdatingToVersion uint64 `protobuf:"varint,41,opt,name=updating_to_version,json=updatingToVersion,proto3" json:"updating_to_version,omitempty"`
 	unknownFields     protoimpl.UnknownFields
 	sizeCache         protoimpl.SizeCache
 }
@@ -378,6 +385,20 @@ func (x *Worker) GetLastHeartbeatTime() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *Worker) GetPolicyVersion() uint64 {
+	if x != nil {
+		return x.PolicyVersion
+	}
+	return 0
+}
+
+func (x *Worker) GetUpdatingToVersion() uint64 {
+	if x != nil {
+		return x.UpdatingToVersion
+	}
+	return 0
+}
+
 // One rollout session, member of exactly one group.
 type Session struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -419,7 +440,17 @@ type Session struct {
 	Replaces string `protobuf:"bytes,22,opt,name=replaces,proto3" json:"replaces,omitempty"`
 	// Set on a replaced member: the name of the member that replaces it. A replaced member is
 	// aborted (SESSION_STATE_ABORTED) and leaves the group's statistics.
-	ReplacedBy    string `protobuf:"bytes,23,opt,name=replaced_by,json=replacedBy,proto3" json:"replaced_by,omitempty"`
+	ReplacedBy string `protobuf:"bytes,23,opt,name=replaced_by,json=replacedBy,proto3" json:"replaced_by,omitempty"`
+	// The policy version of the session's worker when the session was placed (0: unknown).
+	StartVersion uint64 `protobuf:"varint,40,opt,name=start_version,json=startVersion,proto3" json:"start_version,omitempty"`
+	// The oldest and newest policy versions the generation used: those given with the reward
+	// (interruptible generation can swap weights mid-session), else start_version.
+	MinVersion uint64 `protobuf:"varint,41,opt,name=min_version,json=minVersion,proto3" json:"min_version,omitempty"`
+	MaxVersion uint64 `protobuf:"varint,42,opt,name=max_version,json=maxVersion,proto3" json:"max_version,omitempty"`
+	// True when a weight update of the session's worker asked for open sessions to be
+	// reported interrupted (BeginWeightUpdate with interrupt_sessions). A reward can still
+	// arrive for it.
+	Interrupted   bool `protobuf:"varint,43,opt,name=interrupted,proto3" json:"interrupted,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -564,6 +595,34 @@ func (x *Session) GetReplacedBy() string {
 		return x.ReplacedBy
 	}
 	return ""
+}
+
+func (x *Session) GetStartVersion() uint64 {
+	if x != nil {
+		return x.StartVersion
+	}
+	return 0
+}
+
+func (x *Session) GetMinVersion() uint64 {
+	if x != nil {
+		return x.MinVersion
+	}
+	return 0
+}
+
+func (x *Session) GetMaxVersion() uint64 {
+	if x != nil {
+		return x.MaxVersion
+	}
+	return 0
+}
+
+func (x *Session) GetInterrupted() bool {
+	if x != nil {
+		return x.Interrupted
+	}
+	return false
 }
 
 // How the advantages of a group are computed. Every field is optional: an unset field takes
@@ -771,9 +830,12 @@ type Group struct {
 	DistinctWorkers uint32 `protobuf:"varint,20,opt,name=distinct_workers,json=distinctWorkers,proto3" json:"distinct_workers,omitempty"`
 	// True when at least two members share a worker (each member's `shares_worker` says
 	// which).
-	SharedWorker  bool `protobuf:"varint,21,opt,name=shared_worker,json=sharedWorker,proto3" json:"shared_worker,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	SharedWorker bool `protobuf:"varint,21,opt,name=shared_worker,json=sharedWorker,proto3" json:"shared_worker,omitempty"`
+	// The trainer's version (SetTrainerState) when the group was admitted: the "started at
+	// version" of the staleness guarantee.
+	AdmittedTrainerVersion uint64 `protobuf:"varint,40,opt,name=admitted_trainer_version,json=admittedTrainerVersion,proto3" json:"admitted_trainer_version,omitempty"`
+	unknownFields          protoimpl.UnknownFields
+	sizeCache              protoimpl.SizeCache
 }
 
 func (x *Group) Reset() {
@@ -890,6 +952,13 @@ func (x *Group) GetSharedWorker() bool {
 	return false
 }
 
+func (x *Group) GetAdmittedTrainerVersion() uint64 {
+	if x != nil {
+		return x.AdmittedTrainerVersion
+	}
+	return 0
+}
+
 // A finalized group, as trainers consume it. The repeated fields `sessions`, `rewards` and
 // `advantages` are aligned: entry i of each is about the same session. Sessions left out of
 // the statistics are listed in `excluded_sessions`.
@@ -928,8 +997,17 @@ type GroupResult struct {
 	// Members that were replaced (GroupOptions.replace_lost); they are also in
 	// `excluded_sessions`.
 	ReplacedSessions []string `protobuf:"bytes,21,rep,name=replaced_sessions,json=replacedSessions,proto3" json:"replaced_sessions,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Oldest and newest policy versions of the members that count (of every member when none
+	// counts); 0 when unknown. A trainer measures a group's staleness as its own version
+	// minus min_version.
+	MinVersion uint64 `protobuf:"varint,40,opt,name=min_version,json=minVersion,proto3" json:"min_version,omitempty"`
+	MaxVersion uint64 `protobuf:"varint,41,opt,name=max_version,json=maxVersion,proto3" json:"max_version,omitempty"`
+	// The trainer's version (SetTrainerState) when the group was finalized.
+	TrainerVersion uint64 `protobuf:"varint,42,opt,name=trainer_version,json=trainerVersion,proto3" json:"trainer_version,omitempty"`
+	// The trainer's version when the group was admitted (Group.admitted_trainer_version).
+	AdmittedTrainerVersion uint64 `protobuf:"varint,43,opt,name=admitted_trainer_version,json=admittedTrainerVersion,proto3" json:"admitted_trainer_version,omitempty"`
+	unknownFields          protoimpl.UnknownFields
+	sizeCache              protoimpl.SizeCache
 }
 
 func (x *GroupResult) Reset() {
@@ -1074,11 +1152,233 @@ func (x *GroupResult) GetReplacedSessions() []string {
 	return nil
 }
 
+func (x *GroupResult) GetMinVersion() uint64 {
+	if x != nil {
+		return x.MinVersion
+	}
+	return 0
+}
+
+func (x *GroupResult) GetMaxVersion() uint64 {
+	if x != nil {
+		return x.MaxVersion
+	}
+	return 0
+}
+
+func (x *GroupResult) GetTrainerVersion() uint64 {
+	if x != nil {
+		return x.TrainerVersion
+	}
+	return 0
+}
+
+func (x *GroupResult) GetAdmittedTrainerVersion() uint64 {
+	if x != nil {
+		return x.AdmittedTrainerVersion
+	}
+	return 0
+}
+
+// How stale the trainer lets its data get, in trainer steps. With a policy in force the
+// router admits a new group only while the groups started since the policy was set
+// (finished, running and waiting, less those dropped) stay within
+// `(version + max_staleness + 1) * batch_size`, the rule AReaL applies to its own rollouts.
+// With a trainer that consumes batch_size groups per step in the order they were started,
+// every group it consumes at version v was admitted at a trainer version >= v - max_staleness.
+// Dropped groups leave the count, so drops and partial groups never deadlock admission.
+type StalenessPolicy struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// k: how many trainer versions a group may lag behind; 0 is fully on-policy.
+	MaxStaleness uint32 `protobuf:"varint,1,opt,name=max_staleness,json=maxStaleness,proto3" json:"max_staleness,omitempty"`
+	// B: groups the trainer consumes per step; at least 1 (0 is INVALID_ARGUMENT).
+	BatchSize     uint32 `protobuf:"varint,2,opt,name=batch_size,json=batchSize,proto3" json:"batch_size,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StalenessPolicy) Reset() {
+	*x = StalenessPolicy{}
+	mi := &file_sessionrouter_v1_resources_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StalenessPolicy) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StalenessPolicy) ProtoMessage() {}
+
+func (x *StalenessPolicy) ProtoReflect() protoreflect.Message {
+	mi := &file_sessionrouter_v1_resources_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StalenessPolicy.ProtoReflect.Descriptor instead.
+func (*StalenessPolicy) Descriptor() ([]byte, []int) {
+	return file_sessionrouter_v1_resources_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *StalenessPolicy) GetMaxStaleness() uint32 {
+	if x != nil {
+		return x.MaxStaleness
+	}
+	return 0
+}
+
+func (x *StalenessPolicy) GetBatchSize() uint32 {
+	if x != nil {
+		return x.BatchSize
+	}
+	return 0
+}
+
+// The trainer's version and staleness policy as the router holds them, with the admission
+// counters and any weight update in progress. All of it survives a router restart when the
+// router has a journal.
+type TrainerState struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The trainer's current policy version; 0 until a trainer sets it.
+	Version uint64 `protobuf:"varint,1,opt,name=version,proto3" json:"version,omitempty"`
+	// The staleness policy in force; unset means no limit.
+	Policy *StalenessPolicy `protobuf:"bytes,2,opt,name=policy,proto3" json:"policy,omitempty"`
+	// New groups are refused (FAILED_PRECONDITION, MIXED_VERSIONS) while healthy workers
+	// report different known policy versions.
+	RefuseMixedVersions bool `protobuf:"varint,3,opt,name=refuse_mixed_versions,json=refuseMixedVersions,proto3" json:"refuse_mixed_versions,omitempty"`
+	// Groups admitted since the policy was set (or its counters reset), and how many of them
+	// were dropped since.
+	GroupsStarted uint64 `protobuf:"varint,4,opt,name=groups_started,json=groupsStarted,proto3" json:"groups_started,omitempty"`
+	GroupsDropped uint64 `protobuf:"varint,5,opt,name=groups_dropped,json=groupsDropped,proto3" json:"groups_dropped,omitempty"`
+	// `(version + max_staleness + 1) * batch_size`: admission stays open while
+	// groups_started - groups_dropped is below it; 0 without a policy.
+	AdmissionLimit uint64 `protobuf:"varint,6,opt,name=admission_limit,json=admissionLimit,proto3" json:"admission_limit,omitempty"`
+	// The version of the weight update in progress; 0 when none.
+	WeightUpdateVersion uint64 `protobuf:"varint,7,opt,name=weight_update_version,json=weightUpdateVersion,proto3" json:"weight_update_version,omitempty"`
+	// True while a weight update of every worker is in progress: new sessions wait or are
+	// refused UNAVAILABLE (WEIGHT_UPDATE_IN_PROGRESS) until it completes.
+	WeightUpdateFleetWide bool `protobuf:"varint,8,opt,name=weight_update_fleet_wide,json=weightUpdateFleetWide,proto3" json:"weight_update_fleet_wide,omitempty"`
+	// Workers in a weight update now.
+	WorkersUpdating uint32 `protobuf:"varint,9,opt,name=workers_updating,json=workersUpdating,proto3" json:"workers_updating,omitempty"`
+	// How many distinct known policy versions the healthy workers report (more than 1: a
+	// mixed-version fleet).
+	DistinctWorkerVersions uint32 `protobuf:"varint,10,opt,name=distinct_worker_versions,json=distinctWorkerVersions,proto3" json:"distinct_worker_versions,omitempty"`
+	unknownFields          protoimpl.UnknownFields
+	sizeCache              protoimpl.SizeCache
+}
+
+func (x *TrainerState) Reset() {
+	*x = TrainerState{}
+	mi := &file_sessionrouter_v1_resources_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TrainerState) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TrainerState) ProtoMessage() {}
+
+func (x *TrainerState) ProtoReflect() protoreflect.Message {
+	mi := &file_sessionrouter_v1_resources_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TrainerState.ProtoReflect.Descriptor instead.
+func (*TrainerState) Descriptor() ([]byte, []int) {
+	return file_sessionrouter_v1_resources_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *TrainerState) GetVersion() uint64 {
+	if x != nil {
+		return x.Version
+	}
+	return 0
+}
+
+func (x *TrainerState) GetPolicy() *StalenessPolicy {
+	if x != nil {
+		return x.Policy
+	}
+	return nil
+}
+
+func (x *TrainerState) GetRefuseMixedVersions() bool {
+	if x != nil {
+		return x.RefuseMixedVersions
+	}
+	return false
+}
+
+func (x *TrainerState) GetGroupsStarted() uint64 {
+	if x != nil {
+		return x.GroupsStarted
+	}
+	return 0
+}
+
+func (x *TrainerState) GetGroupsDropped() uint64 {
+	if x != nil {
+		return x.GroupsDropped
+	}
+	return 0
+}
+
+func (x *TrainerState) GetAdmissionLimit() uint64 {
+	if x != nil {
+		return x.AdmissionLimit
+	}
+	return 0
+}
+
+func (x *TrainerState) GetWeightUpdateVersion() uint64 {
+	if x != nil {
+		return x.WeightUpdateVersion
+	}
+	return 0
+}
+
+func (x *TrainerState) GetWeightUpdateFleetWide() bool {
+	if x != nil {
+		return x.WeightUpdateFleetWide
+	}
+	return false
+}
+
+func (x *TrainerState) GetWorkersUpdating() uint32 {
+	if x != nil {
+		return x.WorkersUpdating
+	}
+	return 0
+}
+
+func (x *TrainerState) GetDistinctWorkerVersions() uint32 {
+	if x != nil {
+		return x.DistinctWorkerVersions
+	}
+	return 0
+}
+
 var File_sessionrouter_v1_resources_proto protoreflect.FileDescriptor
 
 const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\n" +
-	" sessionrouter/v1/resources.proto\x12\x10sessionrouter.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x99\x03\n" +
+	" sessionrouter/v1/resources.proto\x12\x10sessionrouter.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf0\x03\n" +
 	"\x06Worker\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12\x18\n" +
 	"\aaddress\x18\x02 \x01(\tR\aaddress\x12\x1a\n" +
@@ -1087,10 +1387,12 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\x06health\x18\x05 \x01(\x0e2\x1e.sessionrouter.v1.WorkerHealthR\x06health\x12\x1a\n" +
 	"\bdraining\x18\x06 \x01(\bR\bdraining\x12#\n" +
 	"\ropen_sessions\x18\a \x01(\rR\fopenSessions\x12J\n" +
-	"\x13last_heartbeat_time\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\x11lastHeartbeatTime\x1a9\n" +
+	"\x13last_heartbeat_time\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\x11lastHeartbeatTime\x12%\n" +
+	"\x0epolicy_version\x18( \x01(\x04R\rpolicyVersion\x12.\n" +
+	"\x13updating_to_version\x18) \x01(\x04R\x11updatingToVersion\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xa6\x05\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xaf\x06\n" +
 	"\aSession\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x19\n" +
 	"\bgroup_id\x18\x02 \x01(\tR\agroupId\x12\x14\n" +
@@ -1112,7 +1414,13 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\rfilter_metric\x18\x15 \x01(\x01H\x01R\ffilterMetric\x88\x01\x01\x12\x1a\n" +
 	"\breplaces\x18\x16 \x01(\tR\breplaces\x12\x1f\n" +
 	"\vreplaced_by\x18\x17 \x01(\tR\n" +
-	"replacedBy\x1a;\n" +
+	"replacedBy\x12#\n" +
+	"\rstart_version\x18( \x01(\x04R\fstartVersion\x12\x1f\n" +
+	"\vmin_version\x18) \x01(\x04R\n" +
+	"minVersion\x12\x1f\n" +
+	"\vmax_version\x18* \x01(\x04R\n" +
+	"maxVersion\x12 \n" +
+	"\vinterrupted\x18+ \x01(\bR\vinterrupted\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\t\n" +
@@ -1138,7 +1446,7 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\rSelectorEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\x19\n" +
-	"\x17_max_members_per_worker\"\xf7\x03\n" +
+	"\x17_max_members_per_worker\"\xb1\x04\n" +
 	"\x05Group\x12\x19\n" +
 	"\bgroup_id\x18\x01 \x01(\tR\agroupId\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x17\n" +
@@ -1154,7 +1462,8 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\x06cursor\x18\n" +
 	" \x01(\x04R\x06cursor\x12)\n" +
 	"\x10distinct_workers\x18\x14 \x01(\rR\x0fdistinctWorkers\x12#\n" +
-	"\rshared_worker\x18\x15 \x01(\bR\fsharedWorker\"\xd1\x04\n" +
+	"\rshared_worker\x18\x15 \x01(\bR\fsharedWorker\x128\n" +
+	"\x18admitted_trainer_version\x18( \x01(\x04R\x16admittedTrainerVersion\"\xf6\x05\n" +
 	"\vGroupResult\x12\x16\n" +
 	"\x06cursor\x18\x01 \x01(\x04R\x06cursor\x12\x19\n" +
 	"\bgroup_id\x18\x02 \x01(\tR\agroupId\x12\x17\n" +
@@ -1177,7 +1486,29 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\x11excluded_sessions\x18\r \x03(\tR\x10excludedSessions\x12?\n" +
 	"\rfinalize_time\x18\x0e \x01(\v2\x1a.google.protobuf.TimestampR\ffinalizeTime\x12%\n" +
 	"\x0efilter_metrics\x18\x14 \x03(\x01R\rfilterMetrics\x12+\n" +
-	"\x11replaced_sessions\x18\x15 \x03(\tR\x10replacedSessions*e\n" +
+	"\x11replaced_sessions\x18\x15 \x03(\tR\x10replacedSessions\x12\x1f\n" +
+	"\vmin_version\x18( \x01(\x04R\n" +
+	"minVersion\x12\x1f\n" +
+	"\vmax_version\x18) \x01(\x04R\n" +
+	"maxVersion\x12'\n" +
+	"\x0ftrainer_version\x18* \x01(\x04R\x0etrainerVersion\x128\n" +
+	"\x18admitted_trainer_version\x18+ \x01(\x04R\x16admittedTrainerVersion\"U\n" +
+	"\x0fStalenessPolicy\x12#\n" +
+	"\rmax_staleness\x18\x01 \x01(\rR\fmaxStaleness\x12\x1d\n" +
+	"\n" +
+	"batch_size\x18\x02 \x01(\rR\tbatchSize\"\xe0\x03\n" +
+	"\fTrainerState\x12\x18\n" +
+	"\aversion\x18\x01 \x01(\x04R\aversion\x129\n" +
+	"\x06policy\x18\x02 \x01(\v2!.sessionrouter.v1.StalenessPolicyR\x06policy\x122\n" +
+	"\x15refuse_mixed_versions\x18\x03 \x01(\bR\x13refuseMixedVersions\x12%\n" +
+	"\x0egroups_started\x18\x04 \x01(\x04R\rgroupsStarted\x12%\n" +
+	"\x0egroups_dropped\x18\x05 \x01(\x04R\rgroupsDropped\x12'\n" +
+	"\x0fadmission_limit\x18\x06 \x01(\x04R\x0eadmissionLimit\x122\n" +
+	"\x15weight_update_version\x18\a \x01(\x04R\x13weightUpdateVersion\x127\n" +
+	"\x18weight_update_fleet_wide\x18\b \x01(\bR\x15weightUpdateFleetWide\x12)\n" +
+	"\x10workers_updating\x18\t \x01(\rR\x0fworkersUpdating\x128\n" +
+	"\x18distinct_worker_versions\x18\n" +
+	" \x01(\rR\x16distinctWorkerVersions*e\n" +
 	"\fWorkerHealth\x12\x1d\n" +
 	"\x19WORKER_HEALTH_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15WORKER_HEALTH_HEALTHY\x10\x01\x12\x1b\n" +
@@ -1213,7 +1544,7 @@ func file_sessionrouter_v1_resources_proto_rawDescGZIP() []byte {
 }
 
 var file_sessionrouter_v1_resources_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_sessionrouter_v1_resources_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
+var file_sessionrouter_v1_resources_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
 var file_sessionrouter_v1_resources_proto_goTypes = []any{
 	(WorkerHealth)(0),             // 0: sessionrouter.v1.WorkerHealth
 	(SessionState)(0),             // 1: sessionrouter.v1.SessionState
@@ -1225,35 +1556,38 @@ var file_sessionrouter_v1_resources_proto_goTypes = []any{
 	(*GroupOptions)(nil),          // 7: sessionrouter.v1.GroupOptions
 	(*Group)(nil),                 // 8: sessionrouter.v1.Group
 	(*GroupResult)(nil),           // 9: sessionrouter.v1.GroupResult
-	nil,                           // 10: sessionrouter.v1.Worker.LabelsEntry
-	nil,                           // 11: sessionrouter.v1.Session.MetadataEntry
-	nil,                           // 12: sessionrouter.v1.GroupOptions.SelectorEntry
-	(*timestamppb.Timestamp)(nil), // 13: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 14: google.protobuf.Duration
+	(*StalenessPolicy)(nil),       // 10: sessionrouter.v1.StalenessPolicy
+	(*TrainerState)(nil),          // 11: sessionrouter.v1.TrainerState
+	nil,                           // 12: sessionrouter.v1.Worker.LabelsEntry
+	nil,                           // 13: sessionrouter.v1.Session.MetadataEntry
+	nil,                           // 14: sessionrouter.v1.GroupOptions.SelectorEntry
+	(*timestamppb.Timestamp)(nil), // 15: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 16: google.protobuf.Duration
 }
 var file_sessionrouter_v1_resources_proto_depIdxs = []int32{
-	10, // 0: sessionrouter.v1.Worker.labels:type_name -> sessionrouter.v1.Worker.LabelsEntry
+	12, // 0: sessionrouter.v1.Worker.labels:type_name -> sessionrouter.v1.Worker.LabelsEntry
 	0,  // 1: sessionrouter.v1.Worker.health:type_name -> sessionrouter.v1.WorkerHealth
-	13, // 2: sessionrouter.v1.Worker.last_heartbeat_time:type_name -> google.protobuf.Timestamp
+	15, // 2: sessionrouter.v1.Worker.last_heartbeat_time:type_name -> google.protobuf.Timestamp
 	1,  // 3: sessionrouter.v1.Session.state:type_name -> sessionrouter.v1.SessionState
-	11, // 4: sessionrouter.v1.Session.metadata:type_name -> sessionrouter.v1.Session.MetadataEntry
-	13, // 5: sessionrouter.v1.Session.create_time:type_name -> google.protobuf.Timestamp
+	13, // 4: sessionrouter.v1.Session.metadata:type_name -> sessionrouter.v1.Session.MetadataEntry
+	15, // 5: sessionrouter.v1.Session.create_time:type_name -> google.protobuf.Timestamp
 	6,  // 6: sessionrouter.v1.GroupOptions.estimator:type_name -> sessionrouter.v1.EstimatorConfig
-	14, // 7: sessionrouter.v1.GroupOptions.deadline:type_name -> google.protobuf.Duration
-	12, // 8: sessionrouter.v1.GroupOptions.selector:type_name -> sessionrouter.v1.GroupOptions.SelectorEntry
+	16, // 7: sessionrouter.v1.GroupOptions.deadline:type_name -> google.protobuf.Duration
+	14, // 8: sessionrouter.v1.GroupOptions.selector:type_name -> sessionrouter.v1.GroupOptions.SelectorEntry
 	2,  // 9: sessionrouter.v1.Group.state:type_name -> sessionrouter.v1.GroupState
 	5,  // 10: sessionrouter.v1.Group.members:type_name -> sessionrouter.v1.Session
 	7,  // 11: sessionrouter.v1.Group.options:type_name -> sessionrouter.v1.GroupOptions
-	13, // 12: sessionrouter.v1.Group.create_time:type_name -> google.protobuf.Timestamp
-	13, // 13: sessionrouter.v1.Group.deadline_time:type_name -> google.protobuf.Timestamp
+	15, // 12: sessionrouter.v1.Group.create_time:type_name -> google.protobuf.Timestamp
+	15, // 13: sessionrouter.v1.Group.deadline_time:type_name -> google.protobuf.Timestamp
 	3,  // 14: sessionrouter.v1.GroupResult.outcome:type_name -> sessionrouter.v1.GroupOutcome
 	6,  // 15: sessionrouter.v1.GroupResult.estimator:type_name -> sessionrouter.v1.EstimatorConfig
-	13, // 16: sessionrouter.v1.GroupResult.finalize_time:type_name -> google.protobuf.Timestamp
-	17, // [17:17] is the sub-list for method output_type
-	17, // [17:17] is the sub-list for method input_type
-	17, // [17:17] is the sub-list for extension type_name
-	17, // [17:17] is the sub-list for extension extendee
-	0,  // [0:17] is the sub-list for field type_name
+	15, // 16: sessionrouter.v1.GroupResult.finalize_time:type_name -> google.protobuf.Timestamp
+	10, // 17: sessionrouter.v1.TrainerState.policy:type_name -> sessionrouter.v1.StalenessPolicy
+	18, // [18:18] is the sub-list for method output_type
+	18, // [18:18] is the sub-list for method input_type
+	18, // [18:18] is the sub-list for extension type_name
+	18, // [18:18] is the sub-list for extension extendee
+	0,  // [0:18] is the sub-list for field type_name
 }
 
 func init() { file_sessionrouter_v1_resources_proto_init() }
@@ -1270,7 +1604,7 @@ func file_sessionrouter_v1_resources_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_sessionrouter_v1_resources_proto_rawDesc), len(file_sessionrouter_v1_resources_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   9,
+			NumMessages:   11,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -109,6 +109,8 @@ const (
 	RewardStatus_REWARD_STATUS_SESSION_ABORTED RewardStatus = 6
 	// The session's group was already finalized or dropped without it: refused.
 	RewardStatus_REWARD_STATUS_GROUP_CLOSED RewardStatus = 7
+	// min_version above max_version: refused.
+	RewardStatus_REWARD_STATUS_INVALID_VERSIONS RewardStatus = 8
 )
 
 // Enum value maps for RewardStatus.
@@ -122,16 +124,18 @@ var (
 		5: "REWARD_STATUS_NOT_FINITE",
 		6: "REWARD_STATUS_SESSION_ABORTED",
 		7: "REWARD_STATUS_GROUP_CLOSED",
+		8: "REWARD_STATUS_INVALID_VERSIONS",
 	}
 	RewardStatus_value = map[string]int32{
-		"REWARD_STATUS_UNSPECIFIED":     0,
-		"REWARD_STATUS_ACCEPTED":        1,
-		"REWARD_STATUS_DUPLICATE":       2,
-		"REWARD_STATUS_CONFLICT":        3,
-		"REWARD_STATUS_UNKNOWN_SESSION": 4,
-		"REWARD_STATUS_NOT_FINITE":      5,
-		"REWARD_STATUS_SESSION_ABORTED": 6,
-		"REWARD_STATUS_GROUP_CLOSED":    7,
+		"REWARD_STATUS_UNSPECIFIED":      0,
+		"REWARD_STATUS_ACCEPTED":         1,
+		"REWARD_STATUS_DUPLICATE":        2,
+		"REWARD_STATUS_CONFLICT":         3,
+		"REWARD_STATUS_UNKNOWN_SESSION":  4,
+		"REWARD_STATUS_NOT_FINITE":       5,
+		"REWARD_STATUS_SESSION_ABORTED":  6,
+		"REWARD_STATUS_GROUP_CLOSED":     7,
+		"REWARD_STATUS_INVALID_VERSIONS": 8,
 	}
 )
 
@@ -184,8 +188,14 @@ type StartSessionRequest struct {
 	// The group's placement mode, read when this call creates the group. A joiner follows
 	// the group's mode: unset, or equal to it (another mode is INVALID_ARGUMENT).
 	PlacementMode PlacementMode `protobuf:"varint,7,opt,name=placement_mode,json=placementMode,proto3,enum=sessionrouter.v1.PlacementMode" json:"placement_mode,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// When the call would create a group beyond the staleness limit (RESOURCE_EXHAUSTED,
+	// STALENESS_LIMIT) or during a fleet-wide weight update (UNAVAILABLE,
+	// WEIGHT_UPDATE_IN_PROGRESS): false refuses at once with a RetryInfo; true waits, within the
+	// call's deadline, until admission opens (at most 60 s without a deadline). Joining an
+	// existing group is never held back by the staleness limit.
+	WaitForAdmission bool `protobuf:"varint,40,opt,name=wait_for_admission,json=waitForAdmission,proto3" json:"wait_for_admission,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *StartSessionRequest) Reset() {
@@ -265,6 +275,13 @@ func (x *StartSessionRequest) GetPlacementMode() PlacementMode {
 		return x.PlacementMode
 	}
 	return PlacementMode_PLACEMENT_MODE_UNSPECIFIED
+}
+
+func (x *StartSessionRequest) GetWaitForAdmission() bool {
+	if x != nil {
+		return x.WaitForAdmission
+	}
+	return false
 }
 
 type StartSessionResponse struct {
@@ -372,8 +389,10 @@ type StartGroupRequest struct {
 	Metadata      map[string]string `protobuf:"bytes,5,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	GroupOptions  *GroupOptions     `protobuf:"bytes,6,opt,name=group_options,json=groupOptions,proto3" json:"group_options,omitempty"`
 	PlacementMode PlacementMode     `protobuf:"varint,7,opt,name=placement_mode,json=placementMode,proto3,enum=sessionrouter.v1.PlacementMode" json:"placement_mode,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// As StartSessionRequest.wait_for_admission.
+	WaitForAdmission bool `protobuf:"varint,40,opt,name=wait_for_admission,json=waitForAdmission,proto3" json:"wait_for_admission,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *StartGroupRequest) Reset() {
@@ -453,6 +472,13 @@ func (x *StartGroupRequest) GetPlacementMode() PlacementMode {
 		return x.PlacementMode
 	}
 	return PlacementMode_PLACEMENT_MODE_UNSPECIFIED
+}
+
+func (x *StartGroupRequest) GetWaitForAdmission() bool {
+	if x != nil {
+		return x.WaitForAdmission
+	}
+	return false
 }
 
 type StartGroupResponse struct {
@@ -948,7 +974,12 @@ type RewardEntry struct {
 	// used only to decide whether the group is degenerate (GroupResult.degenerate). Must be
 	// finite. A resubmission must repeat it: another metric with the same reward is a
 	// CONFLICT.
-	FilterMetric  *float64 `protobuf:"fixed64,20,opt,name=filter_metric,json=filterMetric,proto3,oneof" json:"filter_metric,omitempty"`
+	FilterMetric *float64 `protobuf:"fixed64,20,opt,name=filter_metric,json=filterMetric,proto3,oneof" json:"filter_metric,omitempty"`
+	// The oldest and newest policy versions the generation used, when it swapped weights
+	// mid-session; 0 and 0 keep the session's start version. One of them 0 means it equals
+	// the other; min_version above max_version is REWARD_STATUS_INVALID_VERSIONS.
+	MinVersion    uint64 `protobuf:"varint,40,opt,name=min_version,json=minVersion,proto3" json:"min_version,omitempty"`
+	MaxVersion    uint64 `protobuf:"varint,41,opt,name=max_version,json=maxVersion,proto3" json:"max_version,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1000,6 +1031,20 @@ func (x *RewardEntry) GetReward() float64 {
 func (x *RewardEntry) GetFilterMetric() float64 {
 	if x != nil && x.FilterMetric != nil {
 		return *x.FilterMetric
+	}
+	return 0
+}
+
+func (x *RewardEntry) GetMinVersion() uint64 {
+	if x != nil {
+		return x.MinVersion
+	}
+	return 0
+}
+
+func (x *RewardEntry) GetMaxVersion() uint64 {
+	if x != nil {
+		return x.MaxVersion
 	}
 	return 0
 }
@@ -1320,8 +1365,12 @@ type SubscribeGroupsRequest struct {
 	// Leave out degenerate groups (GroupResult.degenerate): they are counted in
 	// `skipped_degenerate` instead, and `last_cursor` moves past them.
 	SkipDegenerate bool `protobuf:"varint,20,opt,name=skip_degenerate,json=skipDegenerate,proto3" json:"skip_degenerate,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// Deliver only groups whose min_version is at least this one (0: every group); the
+	// others are skipped, and counted in `skipped_groups`. Groups of unknown version (0) are
+	// skipped by any non-zero filter.
+	MinVersion    uint64 `protobuf:"varint,40,opt,name=min_version,json=minVersion,proto3" json:"min_version,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SubscribeGroupsRequest) Reset() {
@@ -1375,6 +1424,13 @@ func (x *SubscribeGroupsRequest) GetSkipDegenerate() bool {
 	return false
 }
 
+func (x *SubscribeGroupsRequest) GetMinVersion() uint64 {
+	if x != nil {
+		return x.MinVersion
+	}
+	return 0
+}
+
 type SubscribeGroupsResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// One or more groups, in cursor order; together the messages of a stream hold every
@@ -1385,7 +1441,11 @@ type SubscribeGroupsResponse struct {
 	SkippedDegenerate uint32 `protobuf:"varint,20,opt,name=skipped_degenerate,json=skippedDegenerate,proto3" json:"skipped_degenerate,omitempty"`
 	// The cursor of the last group this message covers, skipped ones included: resume after
 	// it.
-	LastCursor    uint64 `protobuf:"varint,21,opt,name=last_cursor,json=lastCursor,proto3" json:"last_cursor,omitempty"`
+	LastCursor uint64 `protobuf:"varint,21,opt,name=last_cursor,json=lastCursor,proto3" json:"last_cursor,omitempty"`
+	// How many groups this message covers but leaves out because their min_version is below
+	// the request's `min_version`. A group left out by both filters is counted here only, not
+	// in `skipped_degenerate`.
+	SkippedGroups uint64 `protobuf:"varint,40,opt,name=skipped_groups,json=skippedGroups,proto3" json:"skipped_groups,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1441,11 +1501,227 @@ func (x *SubscribeGroupsResponse) GetLastCursor() uint64 {
 	return 0
 }
 
+func (x *SubscribeGroupsResponse) GetSkippedGroups() uint64 {
+	if x != nil {
+		return x.SkippedGroups
+	}
+	return 0
+}
+
+type SetTrainerStateRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The trainer's current policy version; never lower than the one the router holds.
+	Version uint64 `protobuf:"varint,1,opt,name=version,proto3" json:"version,omitempty"`
+	// The staleness policy to put in force; unset keeps the current one.
+	Policy *StalenessPolicy `protobuf:"bytes,2,opt,name=policy,proto3" json:"policy,omitempty"`
+	// Removes the policy (no limit any more); policy must then be unset.
+	ClearPolicy bool `protobuf:"varint,3,opt,name=clear_policy,json=clearPolicy,proto3" json:"clear_policy,omitempty"`
+	// Restarts the admission counters (groups_started, groups_dropped) from zero, for a
+	// trainer that restarts its step count.
+	ResetCounters bool `protobuf:"varint,4,opt,name=reset_counters,json=resetCounters,proto3" json:"reset_counters,omitempty"`
+	// Refuse new groups while the fleet reports mixed policy versions; unset keeps the
+	// current setting.
+	RefuseMixedVersions *bool `protobuf:"varint,5,opt,name=refuse_mixed_versions,json=refuseMixedVersions,proto3,oneof" json:"refuse_mixed_versions,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
+}
+
+func (x *SetTrainerStateRequest) Reset() {
+	*x = SetTrainerStateRequest{}
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SetTrainerStateRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SetTrainerStateRequest) ProtoMessage() {}
+
+func (x *SetTrainerStateRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SetTrainerStateRequest.ProtoReflect.Descriptor instead.
+func (*SetTrainerStateRequest) Descriptor() ([]byte, []int) {
+	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *SetTrainerStateRequest) GetVersion() uint64 {
+	if x != nil {
+		return x.Version
+	}
+	return 0
+}
+
+func (x *SetTrainerStateRequest) GetPolicy() *StalenessPolicy {
+	if x != nil {
+		return x.Policy
+	}
+	return nil
+}
+
+func (x *SetTrainerStateRequest) GetClearPolicy() bool {
+	if x != nil {
+		return x.ClearPolicy
+	}
+	return false
+}
+
+func (x *SetTrainerStateRequest) GetResetCounters() bool {
+	if x != nil {
+		return x.ResetCounters
+	}
+	return false
+}
+
+func (x *SetTrainerStateRequest) GetRefuseMixedVersions() bool {
+	if x != nil && x.RefuseMixedVersions != nil {
+		return *x.RefuseMixedVersions
+	}
+	return false
+}
+
+type SetTrainerStateResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The state now in force.
+	State         *TrainerState `protobuf:"bytes,1,opt,name=state,proto3" json:"state,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SetTrainerStateResponse) Reset() {
+	*x = SetTrainerStateResponse{}
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SetTrainerStateResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SetTrainerStateResponse) ProtoMessage() {}
+
+func (x *SetTrainerStateResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SetTrainerStateResponse.ProtoReflect.Descriptor instead.
+func (*SetTrainerStateResponse) Descriptor() ([]byte, []int) {
+	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *SetTrainerStateResponse) GetState() *TrainerState {
+	if x != nil {
+		return x.State
+	}
+	return nil
+}
+
+type GetTrainerStateRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetTrainerStateRequest) Reset() {
+	*x = GetTrainerStateRequest{}
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetTrainerStateRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetTrainerStateRequest) ProtoMessage() {}
+
+func (x *GetTrainerStateRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetTrainerStateRequest.ProtoReflect.Descriptor instead.
+func (*GetTrainerStateRequest) Descriptor() ([]byte, []int) {
+	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{22}
+}
+
+type GetTrainerStateResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The state in force.
+	State         *TrainerState `protobuf:"bytes,1,opt,name=state,proto3" json:"state,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetTrainerStateResponse) Reset() {
+	*x = GetTrainerStateResponse{}
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetTrainerStateResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetTrainerStateResponse) ProtoMessage() {}
+
+func (x *GetTrainerStateResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetTrainerStateResponse.ProtoReflect.Descriptor instead.
+func (*GetTrainerStateResponse) Descriptor() ([]byte, []int) {
+	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *GetTrainerStateResponse) GetState() *TrainerState {
+	if x != nil {
+		return x.State
+	}
+	return nil
+}
+
 var File_sessionrouter_v1_session_service_proto protoreflect.FileDescriptor
 
 const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"\n" +
-	"&sessionrouter/v1/session_service.proto\x12\x10sessionrouter.v1\x1a sessionrouter/v1/resources.proto\"\xb4\x03\n" +
+	"&sessionrouter/v1/session_service.proto\x12\x10sessionrouter.v1\x1a sessionrouter/v1/resources.proto\"\xe2\x03\n" +
 	"\x13StartSessionRequest\x12\x17\n" +
 	"\atask_id\x18\x01 \x01(\tR\x06taskId\x12\x1e\n" +
 	"\bgroup_id\x18\x02 \x01(\tH\x00R\agroupId\x88\x01\x01\x12\x1d\n" +
@@ -1455,7 +1731,8 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"request_id\x18\x04 \x01(\tR\trequestId\x12O\n" +
 	"\bmetadata\x18\x05 \x03(\v23.sessionrouter.v1.StartSessionRequest.MetadataEntryR\bmetadata\x12C\n" +
 	"\rgroup_options\x18\x06 \x01(\v2\x1e.sessionrouter.v1.GroupOptionsR\fgroupOptions\x12F\n" +
-	"\x0eplacement_mode\x18\a \x01(\x0e2\x1f.sessionrouter.v1.PlacementModeR\rplacementMode\x1a;\n" +
+	"\x0eplacement_mode\x18\a \x01(\x0e2\x1f.sessionrouter.v1.PlacementModeR\rplacementMode\x12,\n" +
+	"\x12wait_for_admission\x18( \x01(\bR\x10waitForAdmission\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\v\n" +
@@ -1467,7 +1744,7 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"\rgroup_created\x18\x03 \x01(\bR\fgroupCreated\x12#\n" +
 	"\rshared_worker\x18\x04 \x01(\bR\fsharedWorker\x12\x1a\n" +
 	"\breplayed\x18\x05 \x01(\bR\breplayed\x12F\n" +
-	"\x0eplacement_mode\x18\x14 \x01(\x0e2\x1f.sessionrouter.v1.PlacementModeR\rplacementMode\"\xb0\x03\n" +
+	"\x0eplacement_mode\x18\x14 \x01(\x0e2\x1f.sessionrouter.v1.PlacementModeR\rplacementMode\"\xde\x03\n" +
 	"\x11StartGroupRequest\x12\x17\n" +
 	"\atask_id\x18\x01 \x01(\tR\x06taskId\x12\x1e\n" +
 	"\bgroup_id\x18\x02 \x01(\tH\x00R\agroupId\x88\x01\x01\x12\x1d\n" +
@@ -1477,7 +1754,8 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"request_id\x18\x04 \x01(\tR\trequestId\x12M\n" +
 	"\bmetadata\x18\x05 \x03(\v21.sessionrouter.v1.StartGroupRequest.MetadataEntryR\bmetadata\x12C\n" +
 	"\rgroup_options\x18\x06 \x01(\v2\x1e.sessionrouter.v1.GroupOptionsR\fgroupOptions\x12F\n" +
-	"\x0eplacement_mode\x18\a \x01(\x0e2\x1f.sessionrouter.v1.PlacementModeR\rplacementMode\x1a;\n" +
+	"\x0eplacement_mode\x18\a \x01(\x0e2\x1f.sessionrouter.v1.PlacementModeR\rplacementMode\x12,\n" +
+	"\x12wait_for_admission\x18( \x01(\bR\x10waitForAdmission\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\v\n" +
@@ -1509,11 +1787,15 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"\x05state\x18\x03 \x01(\x0e2\x1c.sessionrouter.v1.GroupStateR\x05state\"m\n" +
 	"\x12ListGroupsResponse\x12/\n" +
 	"\x06groups\x18\x01 \x03(\v2\x17.sessionrouter.v1.GroupR\x06groups\x12&\n" +
-	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"{\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\xbd\x01\n" +
 	"\vRewardEntry\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x16\n" +
 	"\x06reward\x18\x02 \x01(\x01R\x06reward\x12(\n" +
-	"\rfilter_metric\x18\x14 \x01(\x01H\x00R\ffilterMetric\x88\x01\x01B\x10\n" +
+	"\rfilter_metric\x18\x14 \x01(\x01H\x00R\ffilterMetric\x88\x01\x01\x12\x1f\n" +
+	"\vmin_version\x18( \x01(\x04R\n" +
+	"minVersion\x12\x1f\n" +
+	"\vmax_version\x18) \x01(\x04R\n" +
+	"maxVersionB\x10\n" +
 	"\x0e_filter_metric\"k\n" +
 	"\x14SubmitRewardsRequest\x127\n" +
 	"\aentries\x18\x01 \x03(\v2\x1d.sessionrouter.v1.RewardEntryR\aentries\x12\x1a\n" +
@@ -1532,22 +1814,37 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"\bgroup_id\x18\x01 \x01(\tR\agroupId\x12)\n" +
 	"\x10replaced_session\x18\x02 \x01(\tR\x0freplacedSession\x12;\n" +
 	"\vreplacement\x18\x03 \x01(\v2\x19.sessionrouter.v1.SessionR\vreplacement\x12\x16\n" +
-	"\x06reason\x18\x04 \x01(\tR\x06reason\"\x85\x01\n" +
+	"\x06reason\x18\x04 \x01(\tR\x06reason\"\xa6\x01\n" +
 	"\x16SubscribeGroupsRequest\x12!\n" +
 	"\fafter_cursor\x18\x01 \x01(\x04R\vafterCursor\x12\x1f\n" +
 	"\vfrom_latest\x18\x02 \x01(\bR\n" +
 	"fromLatest\x12'\n" +
-	"\x0fskip_degenerate\x18\x14 \x01(\bR\x0eskipDegenerate\"\xa0\x01\n" +
+	"\x0fskip_degenerate\x18\x14 \x01(\bR\x0eskipDegenerate\x12\x1f\n" +
+	"\vmin_version\x18( \x01(\x04R\n" +
+	"minVersion\"\xc7\x01\n" +
 	"\x17SubscribeGroupsResponse\x125\n" +
 	"\x06groups\x18\x01 \x03(\v2\x1d.sessionrouter.v1.GroupResultR\x06groups\x12-\n" +
 	"\x12skipped_degenerate\x18\x14 \x01(\rR\x11skippedDegenerate\x12\x1f\n" +
 	"\vlast_cursor\x18\x15 \x01(\x04R\n" +
-	"lastCursor*~\n" +
+	"lastCursor\x12%\n" +
+	"\x0eskipped_groups\x18( \x01(\x04R\rskippedGroups\"\x8a\x02\n" +
+	"\x16SetTrainerStateRequest\x12\x18\n" +
+	"\aversion\x18\x01 \x01(\x04R\aversion\x129\n" +
+	"\x06policy\x18\x02 \x01(\v2!.sessionrouter.v1.StalenessPolicyR\x06policy\x12!\n" +
+	"\fclear_policy\x18\x03 \x01(\bR\vclearPolicy\x12%\n" +
+	"\x0ereset_counters\x18\x04 \x01(\bR\rresetCounters\x127\n" +
+	"\x15refuse_mixed_versions\x18\x05 \x01(\bH\x00R\x13refuseMixedVersions\x88\x01\x01B\x18\n" +
+	"\x16_refuse_mixed_versions\"O\n" +
+	"\x17SetTrainerStateResponse\x124\n" +
+	"\x05state\x18\x01 \x01(\v2\x1e.sessionrouter.v1.TrainerStateR\x05state\"\x18\n" +
+	"\x16GetTrainerStateRequest\"O\n" +
+	"\x17GetTrainerStateResponse\x124\n" +
+	"\x05state\x18\x01 \x01(\v2\x1e.sessionrouter.v1.TrainerStateR\x05state*~\n" +
 	"\rPlacementMode\x12\x1e\n" +
 	"\x1aPLACEMENT_MODE_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15PLACEMENT_MODE_SPREAD\x10\x01\x12\x19\n" +
 	"\x15PLACEMENT_MODE_STRICT\x10\x02\x12\x17\n" +
-	"\x13PLACEMENT_MODE_PACK\x10\x03*\x86\x02\n" +
+	"\x13PLACEMENT_MODE_PACK\x10\x03*\xaa\x02\n" +
 	"\fRewardStatus\x12\x1d\n" +
 	"\x19REWARD_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n" +
 	"\x16REWARD_STATUS_ACCEPTED\x10\x01\x12\x1b\n" +
@@ -1556,7 +1853,8 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"\x1dREWARD_STATUS_UNKNOWN_SESSION\x10\x04\x12\x1c\n" +
 	"\x18REWARD_STATUS_NOT_FINITE\x10\x05\x12!\n" +
 	"\x1dREWARD_STATUS_SESSION_ABORTED\x10\x06\x12\x1e\n" +
-	"\x1aREWARD_STATUS_GROUP_CLOSED\x10\a2\xfc\x05\n" +
+	"\x1aREWARD_STATUS_GROUP_CLOSED\x10\a\x12\"\n" +
+	"\x1eREWARD_STATUS_INVALID_VERSIONS\x10\b2\xcc\a\n" +
 	"\x0eSessionService\x12]\n" +
 	"\fStartSession\x12%.sessionrouter.v1.StartSessionRequest\x1a&.sessionrouter.v1.StartSessionResponse\x12W\n" +
 	"\n" +
@@ -1568,7 +1866,9 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"\n" +
 	"ListGroups\x12#.sessionrouter.v1.ListGroupsRequest\x1a$.sessionrouter.v1.ListGroupsResponse\x12d\n" +
 	"\rSubmitRewards\x12&.sessionrouter.v1.SubmitRewardsRequest\x1a'.sessionrouter.v1.SubmitRewardsResponse(\x010\x01\x12h\n" +
-	"\x0fSubscribeGroups\x12(.sessionrouter.v1.SubscribeGroupsRequest\x1a).sessionrouter.v1.SubscribeGroupsResponse0\x01B\xdc\x01\n" +
+	"\x0fSubscribeGroups\x12(.sessionrouter.v1.SubscribeGroupsRequest\x1a).sessionrouter.v1.SubscribeGroupsResponse0\x01\x12f\n" +
+	"\x0fSetTrainerState\x12(.sessionrouter.v1.SetTrainerStateRequest\x1a).sessionrouter.v1.SetTrainerStateResponse\x12f\n" +
+	"\x0fGetTrainerState\x12(.sessionrouter.v1.GetTrainerStateRequest\x1a).sessionrouter.v1.GetTrainerStateResponseB\xdc\x01\n" +
 	"\x14com.sessionrouter.v1B\x13SessionServiceProtoP\x01ZNgithub.com/sessionrouter/sessionrouter/gen/go/sessionrouter/v1;sessionrouterv1\xa2\x02\x03SXX\xaa\x02\x10Sessionrouter.V1\xca\x02\x10Sessionrouter\\V1\xe2\x02\x1cSessionrouter\\V1\\GPBMetadata\xea\x02\x11Sessionrouter::V1b\x06proto3"
 
 var (
@@ -1584,7 +1884,7 @@ func file_sessionrouter_v1_session_service_proto_rawDescGZIP() []byte {
 }
 
 var file_sessionrouter_v1_session_service_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_sessionrouter_v1_session_service_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
+var file_sessionrouter_v1_session_service_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
 var file_sessionrouter_v1_session_service_proto_goTypes = []any{
 	(PlacementMode)(0),              // 0: sessionrouter.v1.PlacementMode
 	(RewardStatus)(0),               // 1: sessionrouter.v1.RewardStatus
@@ -1608,60 +1908,73 @@ var file_sessionrouter_v1_session_service_proto_goTypes = []any{
 	(*MemberReplaced)(nil),          // 19: sessionrouter.v1.MemberReplaced
 	(*SubscribeGroupsRequest)(nil),  // 20: sessionrouter.v1.SubscribeGroupsRequest
 	(*SubscribeGroupsResponse)(nil), // 21: sessionrouter.v1.SubscribeGroupsResponse
-	nil,                             // 22: sessionrouter.v1.StartSessionRequest.MetadataEntry
-	nil,                             // 23: sessionrouter.v1.StartGroupRequest.MetadataEntry
-	(*GroupOptions)(nil),            // 24: sessionrouter.v1.GroupOptions
-	(*Session)(nil),                 // 25: sessionrouter.v1.Session
-	(*Group)(nil),                   // 26: sessionrouter.v1.Group
-	(GroupState)(0),                 // 27: sessionrouter.v1.GroupState
-	(*GroupResult)(nil),             // 28: sessionrouter.v1.GroupResult
+	(*SetTrainerStateRequest)(nil),  // 22: sessionrouter.v1.SetTrainerStateRequest
+	(*SetTrainerStateResponse)(nil), // 23: sessionrouter.v1.SetTrainerStateResponse
+	(*GetTrainerStateRequest)(nil),  // 24: sessionrouter.v1.GetTrainerStateRequest
+	(*GetTrainerStateResponse)(nil), // 25: sessionrouter.v1.GetTrainerStateResponse
+	nil,                             // 26: sessionrouter.v1.StartSessionRequest.MetadataEntry
+	nil,                             // 27: sessionrouter.v1.StartGroupRequest.MetadataEntry
+	(*GroupOptions)(nil),            // 28: sessionrouter.v1.GroupOptions
+	(*Session)(nil),                 // 29: sessionrouter.v1.Session
+	(*Group)(nil),                   // 30: sessionrouter.v1.Group
+	(GroupState)(0),                 // 31: sessionrouter.v1.GroupState
+	(*GroupResult)(nil),             // 32: sessionrouter.v1.GroupResult
+	(*StalenessPolicy)(nil),         // 33: sessionrouter.v1.StalenessPolicy
+	(*TrainerState)(nil),            // 34: sessionrouter.v1.TrainerState
 }
 var file_sessionrouter_v1_session_service_proto_depIdxs = []int32{
-	22, // 0: sessionrouter.v1.StartSessionRequest.metadata:type_name -> sessionrouter.v1.StartSessionRequest.MetadataEntry
-	24, // 1: sessionrouter.v1.StartSessionRequest.group_options:type_name -> sessionrouter.v1.GroupOptions
+	26, // 0: sessionrouter.v1.StartSessionRequest.metadata:type_name -> sessionrouter.v1.StartSessionRequest.MetadataEntry
+	28, // 1: sessionrouter.v1.StartSessionRequest.group_options:type_name -> sessionrouter.v1.GroupOptions
 	0,  // 2: sessionrouter.v1.StartSessionRequest.placement_mode:type_name -> sessionrouter.v1.PlacementMode
-	25, // 3: sessionrouter.v1.StartSessionResponse.session:type_name -> sessionrouter.v1.Session
+	29, // 3: sessionrouter.v1.StartSessionResponse.session:type_name -> sessionrouter.v1.Session
 	0,  // 4: sessionrouter.v1.StartSessionResponse.placement_mode:type_name -> sessionrouter.v1.PlacementMode
-	23, // 5: sessionrouter.v1.StartGroupRequest.metadata:type_name -> sessionrouter.v1.StartGroupRequest.MetadataEntry
-	24, // 6: sessionrouter.v1.StartGroupRequest.group_options:type_name -> sessionrouter.v1.GroupOptions
+	27, // 5: sessionrouter.v1.StartGroupRequest.metadata:type_name -> sessionrouter.v1.StartGroupRequest.MetadataEntry
+	28, // 6: sessionrouter.v1.StartGroupRequest.group_options:type_name -> sessionrouter.v1.GroupOptions
 	0,  // 7: sessionrouter.v1.StartGroupRequest.placement_mode:type_name -> sessionrouter.v1.PlacementMode
-	26, // 8: sessionrouter.v1.StartGroupResponse.group:type_name -> sessionrouter.v1.Group
+	30, // 8: sessionrouter.v1.StartGroupResponse.group:type_name -> sessionrouter.v1.Group
 	0,  // 9: sessionrouter.v1.StartGroupResponse.placement_mode:type_name -> sessionrouter.v1.PlacementMode
-	25, // 10: sessionrouter.v1.AbortSessionResponse.session:type_name -> sessionrouter.v1.Session
-	25, // 11: sessionrouter.v1.GetSessionResponse.session:type_name -> sessionrouter.v1.Session
-	26, // 12: sessionrouter.v1.GetGroupResponse.group:type_name -> sessionrouter.v1.Group
+	29, // 10: sessionrouter.v1.AbortSessionResponse.session:type_name -> sessionrouter.v1.Session
+	29, // 11: sessionrouter.v1.GetSessionResponse.session:type_name -> sessionrouter.v1.Session
+	30, // 12: sessionrouter.v1.GetGroupResponse.group:type_name -> sessionrouter.v1.Group
 	0,  // 13: sessionrouter.v1.GetGroupResponse.placement_mode:type_name -> sessionrouter.v1.PlacementMode
-	27, // 14: sessionrouter.v1.ListGroupsRequest.state:type_name -> sessionrouter.v1.GroupState
-	26, // 15: sessionrouter.v1.ListGroupsResponse.groups:type_name -> sessionrouter.v1.Group
+	31, // 14: sessionrouter.v1.ListGroupsRequest.state:type_name -> sessionrouter.v1.GroupState
+	30, // 15: sessionrouter.v1.ListGroupsResponse.groups:type_name -> sessionrouter.v1.Group
 	14, // 16: sessionrouter.v1.SubmitRewardsRequest.entries:type_name -> sessionrouter.v1.RewardEntry
 	1,  // 17: sessionrouter.v1.RewardResult.status:type_name -> sessionrouter.v1.RewardStatus
 	16, // 18: sessionrouter.v1.RewardAck.results:type_name -> sessionrouter.v1.RewardResult
 	17, // 19: sessionrouter.v1.SubmitRewardsResponse.ack:type_name -> sessionrouter.v1.RewardAck
-	28, // 20: sessionrouter.v1.SubmitRewardsResponse.group_results:type_name -> sessionrouter.v1.GroupResult
+	32, // 20: sessionrouter.v1.SubmitRewardsResponse.group_results:type_name -> sessionrouter.v1.GroupResult
 	19, // 21: sessionrouter.v1.SubmitRewardsResponse.replacements:type_name -> sessionrouter.v1.MemberReplaced
-	25, // 22: sessionrouter.v1.MemberReplaced.replacement:type_name -> sessionrouter.v1.Session
-	28, // 23: sessionrouter.v1.SubscribeGroupsResponse.groups:type_name -> sessionrouter.v1.GroupResult
-	2,  // 24: sessionrouter.v1.SessionService.StartSession:input_type -> sessionrouter.v1.StartSessionRequest
-	4,  // 25: sessionrouter.v1.SessionService.StartGroup:input_type -> sessionrouter.v1.StartGroupRequest
-	6,  // 26: sessionrouter.v1.SessionService.AbortSession:input_type -> sessionrouter.v1.AbortSessionRequest
-	8,  // 27: sessionrouter.v1.SessionService.GetSession:input_type -> sessionrouter.v1.GetSessionRequest
-	10, // 28: sessionrouter.v1.SessionService.GetGroup:input_type -> sessionrouter.v1.GetGroupRequest
-	12, // 29: sessionrouter.v1.SessionService.ListGroups:input_type -> sessionrouter.v1.ListGroupsRequest
-	15, // 30: sessionrouter.v1.SessionService.SubmitRewards:input_type -> sessionrouter.v1.SubmitRewardsRequest
-	20, // 31: sessionrouter.v1.SessionService.SubscribeGroups:input_type -> sessionrouter.v1.SubscribeGroupsRequest
-	3,  // 32: sessionrouter.v1.SessionService.StartSession:output_type -> sessionrouter.v1.StartSessionResponse
-	5,  // 33: sessionrouter.v1.SessionService.StartGroup:output_type -> sessionrouter.v1.StartGroupResponse
-	7,  // 34: sessionrouter.v1.SessionService.AbortSession:output_type -> sessionrouter.v1.AbortSessionResponse
-	9,  // 35: sessionrouter.v1.SessionService.GetSession:output_type -> sessionrouter.v1.GetSessionResponse
-	11, // 36: sessionrouter.v1.SessionService.GetGroup:output_type -> sessionrouter.v1.GetGroupResponse
-	13, // 37: sessionrouter.v1.SessionService.ListGroups:output_type -> sessionrouter.v1.ListGroupsResponse
-	18, // 38: sessionrouter.v1.SessionService.SubmitRewards:output_type -> sessionrouter.v1.SubmitRewardsResponse
-	21, // 39: sessionrouter.v1.SessionService.SubscribeGroups:output_type -> sessionrouter.v1.SubscribeGroupsResponse
-	32, // [32:40] is the sub-list for method output_type
-	24, // [24:32] is the sub-list for method input_type
-	24, // [24:24] is the sub-list for extension type_name
-	24, // [24:24] is the sub-list for extension extendee
-	0,  // [0:24] is the sub-list for field type_name
+	29, // 22: sessionrouter.v1.MemberReplaced.replacement:type_name -> sessionrouter.v1.Session
+	32, // 23: sessionrouter.v1.SubscribeGroupsResponse.groups:type_name -> sessionrouter.v1.GroupResult
+	33, // 24: sessionrouter.v1.SetTrainerStateRequest.policy:type_name -> sessionrouter.v1.StalenessPolicy
+	34, // 25: sessionrouter.v1.SetTrainerStateResponse.state:type_name -> sessionrouter.v1.TrainerState
+	34, // 26: sessionrouter.v1.GetTrainerStateResponse.state:type_name -> sessionrouter.v1.TrainerState
+	2,  // 27: sessionrouter.v1.SessionService.StartSession:input_type -> sessionrouter.v1.StartSessionRequest
+	4,  // 28: sessionrouter.v1.SessionService.StartGroup:input_type -> sessionrouter.v1.StartGroupRequest
+	6,  // 29: sessionrouter.v1.SessionService.AbortSession:input_type -> sessionrouter.v1.AbortSessionRequest
+	8,  // 30: sessionrouter.v1.SessionService.GetSession:input_type -> sessionrouter.v1.GetSessionRequest
+	10, // 31: sessionrouter.v1.SessionService.GetGroup:input_type -> sessionrouter.v1.GetGroupRequest
+	12, // 32: sessionrouter.v1.SessionService.ListGroups:input_type -> sessionrouter.v1.ListGroupsRequest
+	15, // 33: sessionrouter.v1.SessionService.SubmitRewards:input_type -> sessionrouter.v1.SubmitRewardsRequest
+	20, // 34: sessionrouter.v1.SessionService.SubscribeGroups:input_type -> sessionrouter.v1.SubscribeGroupsRequest
+	22, // 35: sessionrouter.v1.SessionService.SetTrainerState:input_type -> sessionrouter.v1.SetTrainerStateRequest
+	24, // 36: sessionrouter.v1.SessionService.GetTrainerState:input_type -> sessionrouter.v1.GetTrainerStateRequest
+	3,  // 37: sessionrouter.v1.SessionService.StartSession:output_type -> sessionrouter.v1.StartSessionResponse
+	5,  // 38: sessionrouter.v1.SessionService.StartGroup:output_type -> sessionrouter.v1.StartGroupResponse
+	7,  // 39: sessionrouter.v1.SessionService.AbortSession:output_type -> sessionrouter.v1.AbortSessionResponse
+	9,  // 40: sessionrouter.v1.SessionService.GetSession:output_type -> sessionrouter.v1.GetSessionResponse
+	11, // 41: sessionrouter.v1.SessionService.GetGroup:output_type -> sessionrouter.v1.GetGroupResponse
+	13, // 42: sessionrouter.v1.SessionService.ListGroups:output_type -> sessionrouter.v1.ListGroupsResponse
+	18, // 43: sessionrouter.v1.SessionService.SubmitRewards:output_type -> sessionrouter.v1.SubmitRewardsResponse
+	21, // 44: sessionrouter.v1.SessionService.SubscribeGroups:output_type -> sessionrouter.v1.SubscribeGroupsResponse
+	23, // 45: sessionrouter.v1.SessionService.SetTrainerState:output_type -> sessionrouter.v1.SetTrainerStateResponse
+	25, // 46: sessionrouter.v1.SessionService.GetTrainerState:output_type -> sessionrouter.v1.GetTrainerStateResponse
+	37, // [37:47] is the sub-list for method output_type
+	27, // [27:37] is the sub-list for method input_type
+	27, // [27:27] is the sub-list for extension type_name
+	27, // [27:27] is the sub-list for extension extendee
+	0,  // [0:27] is the sub-list for field type_name
 }
 
 func init() { file_sessionrouter_v1_session_service_proto_init() }
@@ -1673,13 +1986,14 @@ func file_sessionrouter_v1_session_service_proto_init() {
 	file_sessionrouter_v1_session_service_proto_msgTypes[0].OneofWrappers = []any{}
 	file_sessionrouter_v1_session_service_proto_msgTypes[2].OneofWrappers = []any{}
 	file_sessionrouter_v1_session_service_proto_msgTypes[12].OneofWrappers = []any{}
+	file_sessionrouter_v1_session_service_proto_msgTypes[20].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_sessionrouter_v1_session_service_proto_rawDesc), len(file_sessionrouter_v1_session_service_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   22,
+			NumMessages:   26,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -29,6 +29,8 @@ const (
 	SessionService_ListGroups_FullMethodName      = "/sessionrouter.v1.SessionService/ListGroups"
 	SessionService_SubmitRewards_FullMethodName   = "/sessionrouter.v1.SessionService/SubmitRewards"
 	SessionService_SubscribeGroups_FullMethodName = "/sessionrouter.v1.SessionService/SubscribeGroups"
+	SessionService_SetTrainerState_FullMethodName = "/sessionrouter.v1.SessionService/SetTrainerState"
+	SessionService_GetTrainerState_FullMethodName = "/sessionrouter.v1.SessionService/GetTrainerState"
 )
 
 // SessionServiceClient is the client API for SessionService service.
@@ -97,6 +99,16 @@ type SessionServiceClient interface {
 	// from there after a disconnect instead of skipping the groups it missed. A draining router
 	// ends the stream with UNAVAILABLE (SHUTTING_DOWN, metadata `cursor`: the last cursor sent).
 	SubscribeGroups(ctx context.Context, in *SubscribeGroupsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[SubscribeGroupsResponse], error)
+	// Sets the trainer's policy version and, optionally, its staleness policy. The trainer
+	// reports its version with an RPC of its own rather than on the feed because the feed has
+	// no acknowledgement to carry it (it resumes by cursor, a server stream), because trainers
+	// that read results from SubmitRewards or from arrays never subscribe at all, and because
+	// admission must open the moment the trainer steps, not when it next reads the feed.
+	// A version going backwards is FAILED_PRECONDITION (VERSION_BACKWARDS), a policy with
+	// batch_size 0 INVALID_ARGUMENT; either leaves the state unchanged.
+	SetTrainerState(ctx context.Context, in *SetTrainerStateRequest, opts ...grpc.CallOption) (*SetTrainerStateResponse, error)
+	// Returns the trainer state, admission counters and weight update in progress.
+	GetTrainerState(ctx context.Context, in *GetTrainerStateRequest, opts ...grpc.CallOption) (*GetTrainerStateResponse, error)
 }
 
 type sessionServiceClient struct {
@@ -199,6 +211,26 @@ func (c *sessionServiceClient) SubscribeGroups(ctx context.Context, in *Subscrib
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type SessionService_SubscribeGroupsClient = grpc.ServerStreamingClient[SubscribeGroupsResponse]
 
+func (c *sessionServiceClient) SetTrainerState(ctx context.Context, in *SetTrainerStateRequest, opts ...grpc.CallOption) (*SetTrainerStateResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(SetTrainerStateResponse)
+	err := c.cc.Invoke(ctx, SessionService_SetTrainerState_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *sessionServiceClient) GetTrainerState(ctx context.Context, in *GetTrainerStateRequest, opts ...grpc.CallOption) (*GetTrainerStateResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(GetTrainerStateResponse)
+	err := c.cc.Invoke(ctx, SessionService_GetTrainerState_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // SessionServiceServer is the server API for SessionService service.
 // All implementations must embed UnimplementedSessionServiceServer
 // for forward compatibility.
@@ -265,6 +297,16 @@ type SessionServiceServer interface {
 	// from there after a disconnect instead of skipping the groups it missed. A draining router
 	// ends the stream with UNAVAILABLE (SHUTTING_DOWN, metadata `cursor`: the last cursor sent).
 	SubscribeGroups(*SubscribeGroupsRequest, grpc.ServerStreamingServer[SubscribeGroupsResponse]) error
+	// Sets the trainer's policy version and, optionally, its staleness policy. The trainer
+	// reports its version with an RPC of its own rather than on the feed because the feed has
+	// no acknowledgement to carry it (it resumes by cursor, a server stream), because trainers
+	// that read results from SubmitRewards or from arrays never subscribe at all, and because
+	// admission must open the moment the trainer steps, not when it next reads the feed.
+	// A version going backwards is FAILED_PRECONDITION (VERSION_BACKWARDS), a policy with
+	// batch_size 0 INVALID_ARGUMENT; either leaves the state unchanged.
+	SetTrainerState(context.Context, *SetTrainerStateRequest) (*SetTrainerStateResponse, error)
+	// Returns the trainer state, admission counters and weight update in progress.
+	GetTrainerState(context.Context, *GetTrainerStateRequest) (*GetTrainerStateResponse, error)
 	mustEmbedUnimplementedSessionServiceServer()
 }
 
@@ -298,6 +340,12 @@ func (UnimplementedSessionServiceServer) SubmitRewards(grpc.BidiStreamingServer[
 }
 func (UnimplementedSessionServiceServer) SubscribeGroups(*SubscribeGroupsRequest, grpc.ServerStreamingServer[SubscribeGroupsResponse]) error {
 	return status.Error(codes.Unimplemented, "method SubscribeGroups not implemented")
+}
+func (UnimplementedSessionServiceServer) SetTrainerState(context.Context, *SetTrainerStateRequest) (*SetTrainerStateResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method SetTrainerState not implemented")
+}
+func (UnimplementedSessionServiceServer) GetTrainerState(context.Context, *GetTrainerStateRequest) (*GetTrainerStateResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method GetTrainerState not implemented")
 }
 func (UnimplementedSessionServiceServer) mustEmbedUnimplementedSessionServiceServer() {}
 func (UnimplementedSessionServiceServer) testEmbeddedByValue()                        {}
@@ -446,6 +494,42 @@ func _SessionService_SubscribeGroups_Handler(srv interface{}, stream grpc.Server
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type SessionService_SubscribeGroupsServer = grpc.ServerStreamingServer[SubscribeGroupsResponse]
 
+func _SessionService_SetTrainerState_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(SetTrainerStateRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(SessionServiceServer).SetTrainerState(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: SessionService_SetTrainerState_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(SessionServiceServer).SetTrainerState(ctx, req.(*SetTrainerStateRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _SessionService_GetTrainerState_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(GetTrainerStateRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(SessionServiceServer).GetTrainerState(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: SessionService_GetTrainerState_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(SessionServiceServer).GetTrainerState(ctx, req.(*GetTrainerStateRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // SessionService_ServiceDesc is the grpc.ServiceDesc for SessionService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -476,6 +560,14 @@ var SessionService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListGroups",
 			Handler:    _SessionService_ListGroups_Handler,
+		},
+		{
+			MethodName: "SetTrainerState",
+			Handler:    _SessionService_SetTrainerState_Handler,
+		},
+		{
+			MethodName: "GetTrainerState",
+			Handler:    _SessionService_GetTrainerState_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

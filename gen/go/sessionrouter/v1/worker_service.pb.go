@@ -33,7 +33,10 @@ type RegisterWorkerRequest struct {
 	// Concurrent sessions the worker runs; 1 to 1,000,000.
 	Capacity uint32 `protobuf:"varint,3,opt,name=capacity,proto3" json:"capacity,omitempty"`
 	// Free-form labels; see Worker.labels for limits.
-	Labels        map[string]string `protobuf:"bytes,4,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	Labels map[string]string `protobuf:"bytes,4,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// The policy version the worker serves; 0 means unknown (keeps the one held). Lower than
+	// the held version is FAILED_PRECONDITION (VERSION_BACKWARDS).
+	PolicyVersion uint64 `protobuf:"varint,40,opt,name=policy_version,json=policyVersion,proto3" json:"policy_version,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -96,6 +99,13 @@ func (x *RegisterWorkerRequest) GetLabels() map[string]string {
 	return nil
 }
 
+func (x *RegisterWorkerRequest) GetPolicyVersion() uint64 {
+	if x != nil {
+		return x.PolicyVersion
+	}
+	return 0
+}
+
 type RegisterWorkerResponse struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Worker *Worker                `protobuf:"bytes,1,opt,name=worker,proto3" json:"worker,omitempty"`
@@ -150,8 +160,12 @@ func (x *RegisterWorkerResponse) GetHeartbeatTimeout() *durationpb.Duration {
 }
 
 type HeartbeatRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	WorkerId      string                 `protobuf:"bytes,1,opt,name=worker_id,json=workerId,proto3" json:"worker_id,omitempty"`
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	WorkerId string                 `protobuf:"bytes,1,opt,name=worker_id,json=workerId,proto3" json:"worker_id,omitempty"`
+	// The policy version the worker serves now; 0 keeps the one held. Lower than the held
+	// version is FAILED_PRECONDITION (VERSION_BACKWARDS) and records nothing; the target
+	// version of a weight update in progress (or newer) completes the update.
+	PolicyVersion uint64 `protobuf:"varint,40,opt,name=policy_version,json=policyVersion,proto3" json:"policy_version,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -191,6 +205,13 @@ func (x *HeartbeatRequest) GetWorkerId() string {
 		return x.WorkerId
 	}
 	return ""
+}
+
+func (x *HeartbeatRequest) GetPolicyVersion() uint64 {
+	if x != nil {
+		return x.PolicyVersion
+	}
+	return 0
 }
 
 type HeartbeatResponse struct {
@@ -627,24 +648,252 @@ func (x *ListWorkersResponse) GetNextPageToken() string {
 	return ""
 }
 
+type BeginWeightUpdateRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The version the workers move to; at least 1, above each selected worker's version.
+	Version uint64 `protobuf:"varint,1,opt,name=version,proto3" json:"version,omitempty"`
+	// The workers to update; empty selects every registered worker (a fleet-wide update).
+	WorkerIds []string `protobuf:"bytes,2,rep,name=worker_ids,json=workerIds,proto3" json:"worker_ids,omitempty"`
+	// Mark the open sessions of the selected workers interrupted (Session.interrupted)
+	// instead of leaving them running unmarked.
+	InterruptSessions bool `protobuf:"varint,3,opt,name=interrupt_sessions,json=interruptSessions,proto3" json:"interrupt_sessions,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
+}
+
+func (x *BeginWeightUpdateRequest) Reset() {
+	*x = BeginWeightUpdateRequest{}
+	mi := &file_sessionrouter_v1_worker_service_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BeginWeightUpdateRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BeginWeightUpdateRequest) ProtoMessage() {}
+
+func (x *BeginWeightUpdateRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_sessionrouter_v1_worker_service_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BeginWeightUpdateRequest.ProtoReflect.Descriptor instead.
+func (*BeginWeightUpdateRequest) Descriptor() ([]byte, []int) {
+	return file_sessionrouter_v1_worker_service_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *BeginWeightUpdateRequest) GetVersion() uint64 {
+	if x != nil {
+		return x.Version
+	}
+	return 0
+}
+
+func (x *BeginWeightUpdateRequest) GetWorkerIds() []string {
+	if x != nil {
+		return x.WorkerIds
+	}
+	return nil
+}
+
+func (x *BeginWeightUpdateRequest) GetInterruptSessions() bool {
+	if x != nil {
+		return x.InterruptSessions
+	}
+	return false
+}
+
+type BeginWeightUpdateResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The selected workers, now updating.
+	Workers []*Worker `protobuf:"bytes,1,rep,name=workers,proto3" json:"workers,omitempty"`
+	// Open sessions marked interrupted.
+	InterruptedSessions uint32 `protobuf:"varint,2,opt,name=interrupted_sessions,json=interruptedSessions,proto3" json:"interrupted_sessions,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
+}
+
+func (x *BeginWeightUpdateResponse) Reset() {
+	*x = BeginWeightUpdateResponse{}
+	mi := &file_sessionrouter_v1_worker_service_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BeginWeightUpdateResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BeginWeightUpdateResponse) ProtoMessage() {}
+
+func (x *BeginWeightUpdateResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_sessionrouter_v1_worker_service_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BeginWeightUpdateResponse.ProtoReflect.Descriptor instead.
+func (*BeginWeightUpdateResponse) Descriptor() ([]byte, []int) {
+	return file_sessionrouter_v1_worker_service_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *BeginWeightUpdateResponse) GetWorkers() []*Worker {
+	if x != nil {
+		return x.Workers
+	}
+	return nil
+}
+
+func (x *BeginWeightUpdateResponse) GetInterruptedSessions() uint32 {
+	if x != nil {
+		return x.InterruptedSessions
+	}
+	return 0
+}
+
+type CompleteWeightUpdateRequest struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	WorkerId string                 `protobuf:"bytes,1,opt,name=worker_id,json=workerId,proto3" json:"worker_id,omitempty"`
+	// The version the worker now serves; 0 means the update's target. Lower than the target
+	// is INVALID_ARGUMENT.
+	Version       uint64 `protobuf:"varint,2,opt,name=version,proto3" json:"version,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CompleteWeightUpdateRequest) Reset() {
+	*x = CompleteWeightUpdateRequest{}
+	mi := &file_sessionrouter_v1_worker_service_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CompleteWeightUpdateRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CompleteWeightUpdateRequest) ProtoMessage() {}
+
+func (x *CompleteWeightUpdateRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_sessionrouter_v1_worker_service_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CompleteWeightUpdateRequest.ProtoReflect.Descriptor instead.
+func (*CompleteWeightUpdateRequest) Descriptor() ([]byte, []int) {
+	return file_sessionrouter_v1_worker_service_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *CompleteWeightUpdateRequest) GetWorkerId() string {
+	if x != nil {
+		return x.WorkerId
+	}
+	return ""
+}
+
+func (x *CompleteWeightUpdateRequest) GetVersion() uint64 {
+	if x != nil {
+		return x.Version
+	}
+	return 0
+}
+
+type CompleteWeightUpdateResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The worker, back in placement.
+	Worker *Worker `protobuf:"bytes,1,opt,name=worker,proto3" json:"worker,omitempty"`
+	// True when no worker of the update is left updating (the update is over).
+	UpdateFinished bool `protobuf:"varint,2,opt,name=update_finished,json=updateFinished,proto3" json:"update_finished,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *CompleteWeightUpdateResponse) Reset() {
+	*x = CompleteWeightUpdateResponse{}
+	mi := &file_sessionrouter_v1_worker_service_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CompleteWeightUpdateResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CompleteWeightUpdateResponse) ProtoMessage() {}
+
+func (x *CompleteWeightUpdateResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_sessionrouter_v1_worker_service_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CompleteWeightUpdateResponse.ProtoReflect.Descriptor instead.
+func (*CompleteWeightUpdateResponse) Descriptor() ([]byte, []int) {
+	return file_sessionrouter_v1_worker_service_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *CompleteWeightUpdateResponse) GetWorker() *Worker {
+	if x != nil {
+		return x.Worker
+	}
+	return nil
+}
+
+func (x *CompleteWeightUpdateResponse) GetUpdateFinished() bool {
+	if x != nil {
+		return x.UpdateFinished
+	}
+	return false
+}
+
 var File_sessionrouter_v1_worker_service_proto protoreflect.FileDescriptor
 
 const file_sessionrouter_v1_worker_service_proto_rawDesc = "" +
 	"\n" +
-	"%sessionrouter/v1/worker_service.proto\x12\x10sessionrouter.v1\x1a\x1egoogle/protobuf/duration.proto\x1a sessionrouter/v1/resources.proto\"\xf2\x01\n" +
+	"%sessionrouter/v1/worker_service.proto\x12\x10sessionrouter.v1\x1a\x1egoogle/protobuf/duration.proto\x1a sessionrouter/v1/resources.proto\"\x99\x02\n" +
 	"\x15RegisterWorkerRequest\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12\x18\n" +
 	"\aaddress\x18\x02 \x01(\tR\aaddress\x12\x1a\n" +
 	"\bcapacity\x18\x03 \x01(\rR\bcapacity\x12K\n" +
-	"\x06labels\x18\x04 \x03(\v23.sessionrouter.v1.RegisterWorkerRequest.LabelsEntryR\x06labels\x1a9\n" +
+	"\x06labels\x18\x04 \x03(\v23.sessionrouter.v1.RegisterWorkerRequest.LabelsEntryR\x06labels\x12%\n" +
+	"\x0epolicy_version\x18( \x01(\x04R\rpolicyVersion\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x92\x01\n" +
 	"\x16RegisterWorkerResponse\x120\n" +
 	"\x06worker\x18\x01 \x01(\v2\x18.sessionrouter.v1.WorkerR\x06worker\x12F\n" +
-	"\x11heartbeat_timeout\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\x10heartbeatTimeout\"/\n" +
+	"\x11heartbeat_timeout\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\x10heartbeatTimeout\"V\n" +
 	"\x10HeartbeatRequest\x12\x1b\n" +
-	"\tworker_id\x18\x01 \x01(\tR\bworkerId\"E\n" +
+	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12%\n" +
+	"\x0epolicy_version\x18( \x01(\x04R\rpolicyVersion\"E\n" +
 	"\x11HeartbeatResponse\x120\n" +
 	"\x06worker\x18\x01 \x01(\v2\x18.sessionrouter.v1.WorkerR\x06worker\"I\n" +
 	"\x12DrainWorkerRequest\x12\x1b\n" +
@@ -667,14 +916,30 @@ const file_sessionrouter_v1_worker_service_proto_rawDesc = "" +
 	"page_token\x18\x02 \x01(\tR\tpageToken\"q\n" +
 	"\x13ListWorkersResponse\x122\n" +
 	"\aworkers\x18\x01 \x03(\v2\x18.sessionrouter.v1.WorkerR\aworkers\x12&\n" +
-	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken2\xc3\x04\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\x82\x01\n" +
+	"\x18BeginWeightUpdateRequest\x12\x18\n" +
+	"\aversion\x18\x01 \x01(\x04R\aversion\x12\x1d\n" +
+	"\n" +
+	"worker_ids\x18\x02 \x03(\tR\tworkerIds\x12-\n" +
+	"\x12interrupt_sessions\x18\x03 \x01(\bR\x11interruptSessions\"\x82\x01\n" +
+	"\x19BeginWeightUpdateResponse\x122\n" +
+	"\aworkers\x18\x01 \x03(\v2\x18.sessionrouter.v1.WorkerR\aworkers\x121\n" +
+	"\x14interrupted_sessions\x18\x02 \x01(\rR\x13interruptedSessions\"T\n" +
+	"\x1bCompleteWeightUpdateRequest\x12\x1b\n" +
+	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12\x18\n" +
+	"\aversion\x18\x02 \x01(\x04R\aversion\"y\n" +
+	"\x1cCompleteWeightUpdateResponse\x120\n" +
+	"\x06worker\x18\x01 \x01(\v2\x18.sessionrouter.v1.WorkerR\x06worker\x12'\n" +
+	"\x0fupdate_finished\x18\x02 \x01(\bR\x0eupdateFinished2\xa8\x06\n" +
 	"\rWorkerService\x12c\n" +
 	"\x0eRegisterWorker\x12'.sessionrouter.v1.RegisterWorkerRequest\x1a(.sessionrouter.v1.RegisterWorkerResponse\x12T\n" +
 	"\tHeartbeat\x12\".sessionrouter.v1.HeartbeatRequest\x1a#.sessionrouter.v1.HeartbeatResponse\x12Z\n" +
 	"\vDrainWorker\x12$.sessionrouter.v1.DrainWorkerRequest\x1a%.sessionrouter.v1.DrainWorkerResponse\x12i\n" +
 	"\x10DeregisterWorker\x12).sessionrouter.v1.DeregisterWorkerRequest\x1a*.sessionrouter.v1.DeregisterWorkerResponse\x12T\n" +
 	"\tGetWorker\x12\".sessionrouter.v1.GetWorkerRequest\x1a#.sessionrouter.v1.GetWorkerResponse\x12Z\n" +
-	"\vListWorkers\x12$.sessionrouter.v1.ListWorkersRequest\x1a%.sessionrouter.v1.ListWorkersResponseB\xdb\x01\n" +
+	"\vListWorkers\x12$.sessionrouter.v1.ListWorkersRequest\x1a%.sessionrouter.v1.ListWorkersResponse\x12l\n" +
+	"\x11BeginWeightUpdate\x12*.sessionrouter.v1.BeginWeightUpdateRequest\x1a+.sessionrouter.v1.BeginWeightUpdateResponse\x12u\n" +
+	"\x14CompleteWeightUpdate\x12-.sessionrouter.v1.CompleteWeightUpdateRequest\x1a..sessionrouter.v1.CompleteWeightUpdateResponseB\xdb\x01\n" +
 	"\x14com.sessionrouter.v1B\x12WorkerServiceProtoP\x01ZNgithub.com/sessionrouter/sessionrouter/gen/go/sessionrouter/v1;sessionrouterv1\xa2\x02\x03SXX\xaa\x02\x10Sessionrouter.V1\xca\x02\x10Sessionrouter\\V1\xe2\x02\x1cSessionrouter\\V1\\GPBMetadata\xea\x02\x11Sessionrouter::V1b\x06proto3"
 
 var (
@@ -689,50 +954,60 @@ func file_sessionrouter_v1_worker_service_proto_rawDescGZIP() []byte {
 	return file_sessionrouter_v1_worker_service_proto_rawDescData
 }
 
-var file_sessionrouter_v1_worker_service_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_sessionrouter_v1_worker_service_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
 var file_sessionrouter_v1_worker_service_proto_goTypes = []any{
-	(*RegisterWorkerRequest)(nil),    // 0: sessionrouter.v1.RegisterWorkerRequest
-	(*RegisterWorkerResponse)(nil),   // 1: sessionrouter.v1.RegisterWorkerResponse
-	(*HeartbeatRequest)(nil),         // 2: sessionrouter.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),        // 3: sessionrouter.v1.HeartbeatResponse
-	(*DrainWorkerRequest)(nil),       // 4: sessionrouter.v1.DrainWorkerRequest
-	(*DrainWorkerResponse)(nil),      // 5: sessionrouter.v1.DrainWorkerResponse
-	(*DeregisterWorkerRequest)(nil),  // 6: sessionrouter.v1.DeregisterWorkerRequest
-	(*DeregisterWorkerResponse)(nil), // 7: sessionrouter.v1.DeregisterWorkerResponse
-	(*GetWorkerRequest)(nil),         // 8: sessionrouter.v1.GetWorkerRequest
-	(*GetWorkerResponse)(nil),        // 9: sessionrouter.v1.GetWorkerResponse
-	(*ListWorkersRequest)(nil),       // 10: sessionrouter.v1.ListWorkersRequest
-	(*ListWorkersResponse)(nil),      // 11: sessionrouter.v1.ListWorkersResponse
-	nil,                              // 12: sessionrouter.v1.RegisterWorkerRequest.LabelsEntry
-	(*Worker)(nil),                   // 13: sessionrouter.v1.Worker
-	(*durationpb.Duration)(nil),      // 14: google.protobuf.Duration
+	(*RegisterWorkerRequest)(nil),        // 0: sessionrouter.v1.RegisterWorkerRequest
+	(*RegisterWorkerResponse)(nil),       // 1: sessionrouter.v1.RegisterWorkerResponse
+	(*HeartbeatRequest)(nil),             // 2: sessionrouter.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),            // 3: sessionrouter.v1.HeartbeatResponse
+	(*DrainWorkerRequest)(nil),           // 4: sessionrouter.v1.DrainWorkerRequest
+	(*DrainWorkerResponse)(nil),          // 5: sessionrouter.v1.DrainWorkerResponse
+	(*DeregisterWorkerRequest)(nil),      // 6: sessionrouter.v1.DeregisterWorkerRequest
+	(*DeregisterWorkerResponse)(nil),     // 7: sessionrouter.v1.DeregisterWorkerResponse
+	(*GetWorkerRequest)(nil),             // 8: sessionrouter.v1.GetWorkerRequest
+	(*GetWorkerResponse)(nil),            // 9: sessionrouter.v1.GetWorkerResponse
+	(*ListWorkersRequest)(nil),           // 10: sessionrouter.v1.ListWorkersRequest
+	(*ListWorkersResponse)(nil),          // 11: sessionrouter.v1.ListWorkersResponse
+	(*BeginWeightUpdateRequest)(nil),     // 12: sessionrouter.v1.BeginWeightUpdateRequest
+	(*BeginWeightUpdateResponse)(nil),    // 13: sessionrouter.v1.BeginWeightUpdateResponse
+	(*CompleteWeightUpdateRequest)(nil),  // 14: sessionrouter.v1.CompleteWeightUpdateRequest
+	(*CompleteWeightUpdateResponse)(nil), // 15: sessionrouter.v1.CompleteWeightUpdateResponse
+	nil,                                  // 16: sessionrouter.v1.RegisterWorkerRequest.LabelsEntry
+	(*Worker)(nil),                       // 17: sessionrouter.v1.Worker
+	(*durationpb.Duration)(nil),          // 18: google.protobuf.Duration
 }
 var file_sessionrouter_v1_worker_service_proto_depIdxs = []int32{
-	12, // 0: sessionrouter.v1.RegisterWorkerRequest.labels:type_name -> sessionrouter.v1.RegisterWorkerRequest.LabelsEntry
-	13, // 1: sessionrouter.v1.RegisterWorkerResponse.worker:type_name -> sessionrouter.v1.Worker
-	14, // 2: sessionrouter.v1.RegisterWorkerResponse.heartbeat_timeout:type_name -> google.protobuf.Duration
-	13, // 3: sessionrouter.v1.HeartbeatResponse.worker:type_name -> sessionrouter.v1.Worker
-	13, // 4: sessionrouter.v1.DrainWorkerResponse.worker:type_name -> sessionrouter.v1.Worker
-	13, // 5: sessionrouter.v1.DeregisterWorkerResponse.worker:type_name -> sessionrouter.v1.Worker
-	13, // 6: sessionrouter.v1.GetWorkerResponse.worker:type_name -> sessionrouter.v1.Worker
-	13, // 7: sessionrouter.v1.ListWorkersResponse.workers:type_name -> sessionrouter.v1.Worker
-	0,  // 8: sessionrouter.v1.WorkerService.RegisterWorker:input_type -> sessionrouter.v1.RegisterWorkerRequest
-	2,  // 9: sessionrouter.v1.WorkerService.Heartbeat:input_type -> sessionrouter.v1.HeartbeatRequest
-	4,  // 10: sessionrouter.v1.WorkerService.DrainWorker:input_type -> sessionrouter.v1.DrainWorkerRequest
-	6,  // 11: sessionrouter.v1.WorkerService.DeregisterWorker:input_type -> sessionrouter.v1.DeregisterWorkerRequest
-	8,  // 12: sessionrouter.v1.WorkerService.GetWorker:input_type -> sessionrouter.v1.GetWorkerRequest
-	10, // 13: sessionrouter.v1.WorkerService.ListWorkers:input_type -> sessionrouter.v1.ListWorkersRequest
-	1,  // 14: sessionrouter.v1.WorkerService.RegisterWorker:output_type -> sessionrouter.v1.RegisterWorkerResponse
-	3,  // 15: sessionrouter.v1.WorkerService.Heartbeat:output_type -> sessionrouter.v1.HeartbeatResponse
-	5,  // 16: sessionrouter.v1.WorkerService.DrainWorker:output_type -> sessionrouter.v1.DrainWorkerResponse
-	7,  // 17: sessionrouter.v1.WorkerService.DeregisterWorker:output_type -> sessionrouter.v1.DeregisterWorkerResponse
-	9,  // 18: sessionrouter.v1.WorkerService.GetWorker:output_type -> sessionrouter.v1.GetWorkerResponse
-	11, // 19: sessionrouter.v1.WorkerService.ListWorkers:output_type -> sessionrouter.v1.ListWorkersResponse
-	14, // [14:20] is the sub-list for method output_type
-	8,  // [8:14] is the sub-list for method input_type
-	8,  // [8:8] is the sub-list for extension type_name
-	8,  // [8:8] is the sub-list for extension extendee
-	0,  // [0:8] is the sub-list for field type_name
+	16, // 0: sessionrouter.v1.RegisterWorkerRequest.labels:type_name -> sessionrouter.v1.RegisterWorkerRequest.LabelsEntry
+	17, // 1: sessionrouter.v1.RegisterWorkerResponse.worker:type_name -> sessionrouter.v1.Worker
+	18, // 2: sessionrouter.v1.RegisterWorkerResponse.heartbeat_timeout:type_name -> google.protobuf.Duration
+	17, // 3: sessionrouter.v1.HeartbeatResponse.worker:type_name -> sessionrouter.v1.Worker
+	17, // 4: sessionrouter.v1.DrainWorkerResponse.worker:type_name -> sessionrouter.v1.Worker
+	17, // 5: sessionrouter.v1.DeregisterWorkerResponse.worker:type_name -> sessionrouter.v1.Worker
+	17, // 6: sessionrouter.v1.GetWorkerResponse.worker:type_name -> sessionrouter.v1.Worker
+	17, // 7: sessionrouter.v1.ListWorkersResponse.workers:type_name -> sessionrouter.v1.Worker
+	17, // 8: sessionrouter.v1.BeginWeightUpdateResponse.workers:type_name -> sessionrouter.v1.Worker
+	17, // 9: sessionrouter.v1.CompleteWeightUpdateResponse.worker:type_name -> sessionrouter.v1.Worker
+	0,  // 10: sessionrouter.v1.WorkerService.RegisterWorker:input_type -> sessionrouter.v1.RegisterWorkerRequest
+	2,  // 11: sessionrouter.v1.WorkerService.Heartbeat:input_type -> sessionrouter.v1.HeartbeatRequest
+	4,  // 12: sessionrouter.v1.WorkerService.DrainWorker:input_type -> sessionrouter.v1.DrainWorkerRequest
+	6,  // 13: sessionrouter.v1.WorkerService.DeregisterWorker:input_type -> sessionrouter.v1.DeregisterWorkerRequest
+	8,  // 14: sessionrouter.v1.WorkerService.GetWorker:input_type -> sessionrouter.v1.GetWorkerRequest
+	10, // 15: sessionrouter.v1.WorkerService.ListWorkers:input_type -> sessionrouter.v1.ListWorkersRequest
+	12, // 16: sessionrouter.v1.WorkerService.BeginWeightUpdate:input_type -> sessionrouter.v1.BeginWeightUpdateRequest
+	14, // 17: sessionrouter.v1.WorkerService.CompleteWeightUpdate:input_type -> sessionrouter.v1.CompleteWeightUpdateRequest
+	1,  // 18: sessionrouter.v1.WorkerService.RegisterWorker:output_type -> sessionrouter.v1.RegisterWorkerResponse
+	3,  // 19: sessionrouter.v1.WorkerService.Heartbeat:output_type -> sessionrouter.v1.HeartbeatResponse
+	5,  // 20: sessionrouter.v1.WorkerService.DrainWorker:output_type -> sessionrouter.v1.DrainWorkerResponse
+	7,  // 21: sessionrouter.v1.WorkerService.DeregisterWorker:output_type -> sessionrouter.v1.DeregisterWorkerResponse
+	9,  // 22: sessionrouter.v1.WorkerService.GetWorker:output_type -> sessionrouter.v1.GetWorkerResponse
+	11, // 23: sessionrouter.v1.WorkerService.ListWorkers:output_type -> sessionrouter.v1.ListWorkersResponse
+	13, // 24: sessionrouter.v1.WorkerService.BeginWeightUpdate:output_type -> sessionrouter.v1.BeginWeightUpdateResponse
+	15, // 25: sessionrouter.v1.WorkerService.CompleteWeightUpdate:output_type -> sessionrouter.v1.CompleteWeightUpdateResponse
+	18, // [18:26] is the sub-list for method output_type
+	10, // [10:18] is the sub-list for method input_type
+	10, // [10:10] is the sub-list for extension type_name
+	10, // [10:10] is the sub-list for extension extendee
+	0,  // [0:10] is the sub-list for field type_name
 }
 
 func init() { file_sessionrouter_v1_worker_service_proto_init() }
@@ -747,7 +1022,7 @@ func file_sessionrouter_v1_worker_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_sessionrouter_v1_worker_service_proto_rawDesc), len(file_sessionrouter_v1_worker_service_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   13,
+			NumMessages:   17,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -21,12 +21,14 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	WorkerService_RegisterWorker_FullMethodName   = "/sessionrouter.v1.WorkerService/RegisterWorker"
-	WorkerService_Heartbeat_FullMethodName        = "/sessionrouter.v1.WorkerService/Heartbeat"
-	WorkerService_DrainWorker_FullMethodName      = "/sessionrouter.v1.WorkerService/DrainWorker"
-	WorkerService_DeregisterWorker_FullMethodName = "/sessionrouter.v1.WorkerService/DeregisterWorker"
-	WorkerService_GetWorker_FullMethodName        = "/sessionrouter.v1.WorkerService/GetWorker"
-	WorkerService_ListWorkers_FullMethodName      = "/sessionrouter.v1.WorkerService/ListWorkers"
+	WorkerService_RegisterWorker_FullMethodName       = "/sessionrouter.v1.WorkerService/RegisterWorker"
+	WorkerService_Heartbeat_FullMethodName            = "/sessionrouter.v1.WorkerService/Heartbeat"
+	WorkerService_DrainWorker_FullMethodName          = "/sessionrouter.v1.WorkerService/DrainWorker"
+	WorkerService_DeregisterWorker_FullMethodName     = "/sessionrouter.v1.WorkerService/DeregisterWorker"
+	WorkerService_GetWorker_FullMethodName            = "/sessionrouter.v1.WorkerService/GetWorker"
+	WorkerService_ListWorkers_FullMethodName          = "/sessionrouter.v1.WorkerService/ListWorkers"
+	WorkerService_BeginWeightUpdate_FullMethodName    = "/sessionrouter.v1.WorkerService/BeginWeightUpdate"
+	WorkerService_CompleteWeightUpdate_FullMethodName = "/sessionrouter.v1.WorkerService/CompleteWeightUpdate"
 )
 
 // WorkerServiceClient is the client API for WorkerService service.
@@ -54,6 +56,17 @@ type WorkerServiceClient interface {
 	GetWorker(ctx context.Context, in *GetWorkerRequest, opts ...grpc.CallOption) (*GetWorkerResponse, error)
 	// Lists workers ordered by worker_id, with their load.
 	ListWorkers(ctx context.Context, in *ListWorkersRequest, opts ...grpc.CallOption) (*ListWorkersResponse, error)
+	// Starts a weight update to `version` on the selected workers (every registered worker
+	// when none is named): they take no new sessions until each completes. Their open
+	// sessions keep running, or, with interrupt_sessions, are marked interrupted. During a
+	// fleet-wide update new sessions wait or get UNAVAILABLE (WEIGHT_UPDATE_IN_PROGRESS), as
+	// the start request asks. An unknown worker is NOT_FOUND, a version not above a selected
+	// worker's current one FAILED_PRECONDITION; nothing changes then.
+	BeginWeightUpdate(ctx context.Context, in *BeginWeightUpdateRequest, opts ...grpc.CallOption) (*BeginWeightUpdateResponse, error)
+	// Puts a worker back into placement with its new version. A worker not in a weight update
+	// is FAILED_PRECONDITION (WORKER_NOT_UPDATING). A heartbeat that reports the target
+	// version (or a newer one) does the same.
+	CompleteWeightUpdate(ctx context.Context, in *CompleteWeightUpdateRequest, opts ...grpc.CallOption) (*CompleteWeightUpdateResponse, error)
 }
 
 type workerServiceClient struct {
@@ -124,6 +137,26 @@ func (c *workerServiceClient) ListWorkers(ctx context.Context, in *ListWorkersRe
 	return out, nil
 }
 
+func (c *workerServiceClient) BeginWeightUpdate(ctx context.Context, in *BeginWeightUpdateRequest, opts ...grpc.CallOption) (*BeginWeightUpdateResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(BeginWeightUpdateResponse)
+	err := c.cc.Invoke(ctx, WorkerService_BeginWeightUpdate_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *workerServiceClient) CompleteWeightUpdate(ctx context.Context, in *CompleteWeightUpdateRequest, opts ...grpc.CallOption) (*CompleteWeightUpdateResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(CompleteWeightUpdateResponse)
+	err := c.cc.Invoke(ctx, WorkerService_CompleteWeightUpdate_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // WorkerServiceServer is the server API for WorkerService service.
 // All implementations must embed UnimplementedWorkerServiceServer
 // for forward compatibility.
@@ -149,6 +182,17 @@ type WorkerServiceServer interface {
 	GetWorker(context.Context, *GetWorkerRequest) (*GetWorkerResponse, error)
 	// Lists workers ordered by worker_id, with their load.
 	ListWorkers(context.Context, *ListWorkersRequest) (*ListWorkersResponse, error)
+	// Starts a weight update to `version` on the selected workers (every registered worker
+	// when none is named): they take no new sessions until each completes. Their open
+	// sessions keep running, or, with interrupt_sessions, are marked interrupted. During a
+	// fleet-wide update new sessions wait or get UNAVAILABLE (WEIGHT_UPDATE_IN_PROGRESS), as
+	// the start request asks. An unknown worker is NOT_FOUND, a version not above a selected
+	// worker's current one FAILED_PRECONDITION; nothing changes then.
+	BeginWeightUpdate(context.Context, *BeginWeightUpdateRequest) (*BeginWeightUpdateResponse, error)
+	// Puts a worker back into placement with its new version. A worker not in a weight update
+	// is FAILED_PRECONDITION (WORKER_NOT_UPDATING). A heartbeat that reports the target
+	// version (or a newer one) does the same.
+	CompleteWeightUpdate(context.Context, *CompleteWeightUpdateRequest) (*CompleteWeightUpdateResponse, error)
 	mustEmbedUnimplementedWorkerServiceServer()
 }
 
@@ -176,6 +220,12 @@ func (UnimplementedWorkerServiceServer) GetWorker(context.Context, *GetWorkerReq
 }
 func (UnimplementedWorkerServiceServer) ListWorkers(context.Context, *ListWorkersRequest) (*ListWorkersResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ListWorkers not implemented")
+}
+func (UnimplementedWorkerServiceServer) BeginWeightUpdate(context.Context, *BeginWeightUpdateRequest) (*BeginWeightUpdateResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method BeginWeightUpdate not implemented")
+}
+func (UnimplementedWorkerServiceServer) CompleteWeightUpdate(context.Context, *CompleteWeightUpdateRequest) (*CompleteWeightUpdateResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method CompleteWeightUpdate not implemented")
 }
 func (UnimplementedWorkerServiceServer) mustEmbedUnimplementedWorkerServiceServer() {}
 func (UnimplementedWorkerServiceServer) testEmbeddedByValue()                       {}
@@ -306,6 +356,42 @@ func _WorkerService_ListWorkers_Handler(srv interface{}, ctx context.Context, de
 	return interceptor(ctx, in, info, handler)
 }
 
+func _WorkerService_BeginWeightUpdate_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(BeginWeightUpdateRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(WorkerServiceServer).BeginWeightUpdate(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: WorkerService_BeginWeightUpdate_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(WorkerServiceServer).BeginWeightUpdate(ctx, req.(*BeginWeightUpdateRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _WorkerService_CompleteWeightUpdate_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(CompleteWeightUpdateRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(WorkerServiceServer).CompleteWeightUpdate(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: WorkerService_CompleteWeightUpdate_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(WorkerServiceServer).CompleteWeightUpdate(ctx, req.(*CompleteWeightUpdateRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // WorkerService_ServiceDesc is the grpc.ServiceDesc for WorkerService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -336,6 +422,14 @@ var WorkerService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListWorkers",
 			Handler:    _WorkerService_ListWorkers_Handler,
+		},
+		{
+			MethodName: "BeginWeightUpdate",
+			Handler:    _WorkerService_BeginWeightUpdate_Handler,
+		},
+		{
+			MethodName: "CompleteWeightUpdate",
+			Handler:    _WorkerService_CompleteWeightUpdate_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

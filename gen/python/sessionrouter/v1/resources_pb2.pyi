@@ -199,6 +199,8 @@ class Worker(_message.Message):
     DRAINING_FIELD_NUMBER: _builtins.int
     OPEN_SESSIONS_FIELD_NUMBER: _builtins.int
     LAST_HEARTBEAT_TIME_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    UPDATING_TO_VERSION_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Caller-chosen stable identifier of the worker, unique within the router."""
     address: _builtins.str
@@ -212,6 +214,15 @@ class Worker(_message.Message):
     """A draining worker takes no new sessions; its open sessions carry on."""
     open_sessions: _builtins.int
     """Sessions placed on this worker that are still running (no reward, not aborted)."""
+    policy_version: _builtins.int
+    """The policy (weight) version the worker serves, as it last reported it at RegisterWorker
+    or Heartbeat; 0 means unknown. Never goes backwards.
+    """
+    updating_to_version: _builtins.int
+    """Non-zero while the worker is in a weight update to this version (BeginWeightUpdate): it
+    takes no new sessions until CompleteWeightUpdate, or a heartbeat reporting this version
+    or a newer one, puts it back.
+    """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Free-form labels (model, zone, GPU type...). At most 32 entries; keys at most 64
@@ -233,10 +244,12 @@ class Worker(_message.Message):
         draining: _builtins.bool = ...,
         open_sessions: _builtins.int = ...,
         last_heartbeat_time: _timestamp_pb2.Timestamp | None = ...,
+        policy_version: _builtins.int = ...,
+        updating_to_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_heartbeat_time", b"last_heartbeat_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity", b"capacity", "draining", b"draining", "health", b"health", "labels", b"labels", "last_heartbeat_time", b"last_heartbeat_time", "open_sessions", b"open_sessions", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity", b"capacity", "draining", b"draining", "health", b"health", "labels", b"labels", "last_heartbeat_time", b"last_heartbeat_time", "open_sessions", b"open_sessions", "policy_version", b"policy_version", "updating_to_version", b"updating_to_version", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -284,6 +297,10 @@ class Session(_message.Message):
     FILTER_METRIC_FIELD_NUMBER: _builtins.int
     REPLACES_FIELD_NUMBER: _builtins.int
     REPLACED_BY_FIELD_NUMBER: _builtins.int
+    START_VERSION_FIELD_NUMBER: _builtins.int
+    MIN_VERSION_FIELD_NUMBER: _builtins.int
+    MAX_VERSION_FIELD_NUMBER: _builtins.int
+    INTERRUPTED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """`groups/{group_id}/sessions/{index}`."""
     group_id: _builtins.str
@@ -323,6 +340,18 @@ class Session(_message.Message):
     """Set on a replaced member: the name of the member that replaces it. A replaced member is
     aborted (SESSION_STATE_ABORTED) and leaves the group's statistics.
     """
+    start_version: _builtins.int
+    """The policy version of the session's worker when the session was placed (0: unknown)."""
+    min_version: _builtins.int
+    """The oldest and newest policy versions the generation used: those given with the reward
+    (interruptible generation can swap weights mid-session), else start_version.
+    """
+    max_version: _builtins.int
+    interrupted: _builtins.bool
+    """True when a weight update of the session's worker asked for open sessions to be
+    reported interrupted (BeginWeightUpdate with interrupt_sessions). A reward can still
+    arrive for it.
+    """
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Caller metadata given at start. At most 32 entries; keys at most 64 characters, values
@@ -350,10 +379,14 @@ class Session(_message.Message):
         filter_metric: _builtins.float | None = ...,
         replaces: _builtins.str = ...,
         replaced_by: _builtins.str = ...,
+        start_version: _builtins.int = ...,
+        min_version: _builtins.int = ...,
+        max_version: _builtins.int = ...,
+        interrupted: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "_reward", b"_reward", "create_time", b"create_time", "filter_metric", b"filter_metric", "reward", b"reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "_reward", b"_reward", "create_time", b"create_time", "filter_metric", b"filter_metric", "group_id", b"group_id", "index", b"index", "metadata", b"metadata", "name", b"name", "replaced_by", b"replaced_by", "replaces", b"replaces", "request_id", b"request_id", "reward", b"reward", "shares_worker", b"shares_worker", "state", b"state", "task_id", b"task_id", "worker_address", b"worker_address", "worker_id", b"worker_id", "worker_lost", b"worker_lost"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "_reward", b"_reward", "create_time", b"create_time", "filter_metric", b"filter_metric", "group_id", b"group_id", "index", b"index", "interrupted", b"interrupted", "max_version", b"max_version", "metadata", b"metadata", "min_version", b"min_version", "name", b"name", "replaced_by", b"replaced_by", "replaces", b"replaces", "request_id", b"request_id", "reward", b"reward", "shares_worker", b"shares_worker", "start_version", b"start_version", "state", b"state", "task_id", b"task_id", "worker_address", b"worker_address", "worker_id", b"worker_id", "worker_lost", b"worker_lost"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__filter_metric: _TypeAlias = _typing.Literal["filter_metric"]  # noqa: Y015
     _WhichOneofArgType__filter_metric: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric"]  # noqa: Y015
@@ -527,6 +560,7 @@ class Group(_message.Message):
     CURSOR_FIELD_NUMBER: _builtins.int
     DISTINCT_WORKERS_FIELD_NUMBER: _builtins.int
     SHARED_WORKER_FIELD_NUMBER: _builtins.int
+    ADMITTED_TRAINER_VERSION_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     name: _builtins.str
     """`groups/{group_id}`."""
@@ -541,6 +575,10 @@ class Group(_message.Message):
     shared_worker: _builtins.bool
     """True when at least two members share a worker (each member's `shares_worker` says
     which).
+    """
+    admitted_trainer_version: _builtins.int
+    """The trainer's version (SetTrainerState) when the group was admitted: the "started at
+    version" of the staleness guarantee.
     """
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___Session]:
@@ -569,10 +607,11 @@ class Group(_message.Message):
         cursor: _builtins.int = ...,
         distinct_workers: _builtins.int = ...,
         shared_worker: _builtins.bool = ...,
+        admitted_trainer_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "deadline_time", b"deadline_time", "options", b"options"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "cursor", b"cursor", "deadline_time", b"deadline_time", "distinct_workers", b"distinct_workers", "group_id", b"group_id", "group_size", b"group_size", "members", b"members", "name", b"name", "options", b"options", "shared_worker", b"shared_worker", "state", b"state", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted_trainer_version", b"admitted_trainer_version", "create_time", b"create_time", "cursor", b"cursor", "deadline_time", b"deadline_time", "distinct_workers", b"distinct_workers", "group_id", b"group_id", "group_size", b"group_size", "members", b"members", "name", b"name", "options", b"options", "shared_worker", b"shared_worker", "state", b"state", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -603,6 +642,10 @@ class GroupResult(_message.Message):
     FINALIZE_TIME_FIELD_NUMBER: _builtins.int
     FILTER_METRICS_FIELD_NUMBER: _builtins.int
     REPLACED_SESSIONS_FIELD_NUMBER: _builtins.int
+    MIN_VERSION_FIELD_NUMBER: _builtins.int
+    MAX_VERSION_FIELD_NUMBER: _builtins.int
+    TRAINER_VERSION_FIELD_NUMBER: _builtins.int
+    ADMITTED_TRAINER_VERSION_FIELD_NUMBER: _builtins.int
     cursor: _builtins.int
     """Position on the completed-group feed: strictly increasing, starting at 1, no gaps."""
     group_id: _builtins.str
@@ -621,6 +664,16 @@ class GroupResult(_message.Message):
     every sample passed or every one failed, as DAPO's dynamic sampling filters, even when
     shaped rewards differ.
     """
+    min_version: _builtins.int
+    """Oldest and newest policy versions of the members that count (of every member when none
+    counts); 0 when unknown. A trainer measures a group's staleness as its own version
+    minus min_version.
+    """
+    max_version: _builtins.int
+    trainer_version: _builtins.int
+    """The trainer's version (SetTrainerState) when the group was finalized."""
+    admitted_trainer_version: _builtins.int
+    """The trainer's version when the group was admitted (Group.admitted_trainer_version)."""
     @_builtins.property
     def sessions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Names of the sessions that count, in index order."""
@@ -674,11 +727,120 @@ class GroupResult(_message.Message):
         finalize_time: _timestamp_pb2.Timestamp | None = ...,
         filter_metrics: _abc.Iterable[_builtins.float] | None = ...,
         replaced_sessions: _abc.Iterable[_builtins.str] | None = ...,
+        min_version: _builtins.int = ...,
+        max_version: _builtins.int = ...,
+        trainer_version: _builtins.int = ...,
+        admitted_trainer_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["estimator", b"estimator", "finalize_time", b"finalize_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advantages", b"advantages", "cursor", b"cursor", "degenerate", b"degenerate", "estimator", b"estimator", "excluded_sessions", b"excluded_sessions", "filter_metrics", b"filter_metrics", "finalize_time", b"finalize_time", "group_id", b"group_id", "group_size", b"group_size", "mean", b"mean", "outcome", b"outcome", "replaced_sessions", b"replaced_sessions", "rewards", b"rewards", "sessions", b"sessions", "std", b"std", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted_trainer_version", b"admitted_trainer_version", "advantages", b"advantages", "cursor", b"cursor", "degenerate", b"degenerate", "estimator", b"estimator", "excluded_sessions", b"excluded_sessions", "filter_metrics", b"filter_metrics", "finalize_time", b"finalize_time", "group_id", b"group_id", "group_size", b"group_size", "max_version", b"max_version", "mean", b"mean", "min_version", b"min_version", "outcome", b"outcome", "replaced_sessions", b"replaced_sessions", "rewards", b"rewards", "sessions", b"sessions", "std", b"std", "task_id", b"task_id", "trainer_version", b"trainer_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GroupResult: _TypeAlias = GroupResult  # noqa: Y015
+
+@_typing.final
+class StalenessPolicy(_message.Message):
+    """How stale the trainer lets its data get, in trainer steps. With a policy in force the
+    router admits a new group only while the groups started since the policy was set
+    (finished, running and waiting, less those dropped) stay within
+    `(version + max_staleness + 1) * batch_size`, the rule AReaL applies to its own rollouts.
+    With a trainer that consumes batch_size groups per step in the order they were started,
+    every group it consumes at version v was admitted at a trainer version >= v - max_staleness.
+    Dropped groups leave the count, so drops and partial groups never deadlock admission.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_STALENESS_FIELD_NUMBER: _builtins.int
+    BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    max_staleness: _builtins.int
+    """k: how many trainer versions a group may lag behind; 0 is fully on-policy."""
+    batch_size: _builtins.int
+    """B: groups the trainer consumes per step; at least 1 (0 is INVALID_ARGUMENT)."""
+    def __init__(
+        self,
+        *,
+        max_staleness: _builtins.int = ...,
+        batch_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "max_staleness", b"max_staleness"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StalenessPolicy: _TypeAlias = StalenessPolicy  # noqa: Y015
+
+@_typing.final
+class TrainerState(_message.Message):
+    """The trainer's version and staleness policy as the router holds them, with the admission
+    counters and any weight update in progress. All of it survives a router restart when the
+    router has a journal.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
+    REFUSE_MIXED_VERSIONS_FIELD_NUMBER: _builtins.int
+    GROUPS_STARTED_FIELD_NUMBER: _builtins.int
+    GROUPS_DROPPED_FIELD_NUMBER: _builtins.int
+    ADMISSION_LIMIT_FIELD_NUMBER: _builtins.int
+    WEIGHT_UPDATE_VERSION_FIELD_NUMBER: _builtins.int
+    WEIGHT_UPDATE_FLEET_WIDE_FIELD_NUMBER: _builtins.int
+    WORKERS_UPDATING_FIELD_NUMBER: _builtins.int
+    DISTINCT_WORKER_VERSIONS_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """The trainer's current policy version; 0 until a trainer sets it."""
+    refuse_mixed_versions: _builtins.bool
+    """New groups are refused (FAILED_PRECONDITION, MIXED_VERSIONS) while healthy workers
+    report different known policy versions.
+    """
+    groups_started: _builtins.int
+    """Groups admitted since the policy was set (or its counters reset), and how many of them
+    were dropped since.
+    """
+    groups_dropped: _builtins.int
+    admission_limit: _builtins.int
+    """`(version + max_staleness + 1) * batch_size`: admission stays open while
+    groups_started - groups_dropped is below it; 0 without a policy.
+    """
+    weight_update_version: _builtins.int
+    """The version of the weight update in progress; 0 when none."""
+    weight_update_fleet_wide: _builtins.bool
+    """True while a weight update of every worker is in progress: new sessions wait or are
+    refused UNAVAILABLE (WEIGHT_UPDATE_IN_PROGRESS) until it completes.
+    """
+    workers_updating: _builtins.int
+    """Workers in a weight update now."""
+    distinct_worker_versions: _builtins.int
+    """How many distinct known policy versions the healthy workers report (more than 1: a
+    mixed-version fleet).
+    """
+    @_builtins.property
+    def policy(self) -> Global___StalenessPolicy:
+        """The staleness policy in force; unset means no limit."""
+
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        policy: Global___StalenessPolicy | None = ...,
+        refuse_mixed_versions: _builtins.bool = ...,
+        groups_started: _builtins.int = ...,
+        groups_dropped: _builtins.int = ...,
+        admission_limit: _builtins.int = ...,
+        weight_update_version: _builtins.int = ...,
+        weight_update_fleet_wide: _builtins.bool = ...,
+        workers_updating: _builtins.int = ...,
+        distinct_worker_versions: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["policy", b"policy"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_limit", b"admission_limit", "distinct_worker_versions", b"distinct_worker_versions", "groups_dropped", b"groups_dropped", "groups_started", b"groups_started", "policy", b"policy", "refuse_mixed_versions", b"refuse_mixed_versions", "version", b"version", "weight_update_fleet_wide", b"weight_update_fleet_wide", "weight_update_version", b"weight_update_version", "workers_updating", b"workers_updating"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TrainerState: _TypeAlias = TrainerState  # noqa: Y015

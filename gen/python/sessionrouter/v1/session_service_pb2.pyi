@@ -94,6 +94,8 @@ class _RewardStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RewardSt
     """The session was aborted: refused."""
     REWARD_STATUS_GROUP_CLOSED: _RewardStatus.ValueType  # 7
     """The session's group was already finalized or dropped without it: refused."""
+    REWARD_STATUS_INVALID_VERSIONS: _RewardStatus.ValueType  # 8
+    """min_version above max_version: refused."""
 
 class RewardStatus(_RewardStatus, metaclass=_RewardStatusEnumTypeWrapper):
     """What happened to one reward entry."""
@@ -116,6 +118,8 @@ REWARD_STATUS_SESSION_ABORTED: RewardStatus.ValueType  # 6
 """The session was aborted: refused."""
 REWARD_STATUS_GROUP_CLOSED: RewardStatus.ValueType  # 7
 """The session's group was already finalized or dropped without it: refused."""
+REWARD_STATUS_INVALID_VERSIONS: RewardStatus.ValueType  # 8
+"""min_version above max_version: refused."""
 Global___RewardStatus: _TypeAlias = RewardStatus  # noqa: Y015
 
 @_typing.final
@@ -149,6 +153,7 @@ class StartSessionRequest(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     GROUP_OPTIONS_FIELD_NUMBER: _builtins.int
     PLACEMENT_MODE_FIELD_NUMBER: _builtins.int
+    WAIT_FOR_ADMISSION_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """The task (prompt) the session answers. Required."""
     group_id: _builtins.str
@@ -167,6 +172,13 @@ class StartSessionRequest(_message.Message):
     placement_mode: Global___PlacementMode.ValueType
     """The group's placement mode, read when this call creates the group. A joiner follows
     the group's mode: unset, or equal to it (another mode is INVALID_ARGUMENT).
+    """
+    wait_for_admission: _builtins.bool
+    """When the call would create a group beyond the staleness limit (RESOURCE_EXHAUSTED,
+    STALENESS_LIMIT) or during a fleet-wide weight update (UNAVAILABLE,
+    WEIGHT_UPDATE_IN_PROGRESS): false refuses at once with a RetryInfo; true waits, within the
+    call's deadline, until admission opens (at most 60 s without a deadline). Joining an
+    existing group is never held back by the staleness limit.
     """
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -188,10 +200,11 @@ class StartSessionRequest(_message.Message):
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         group_options: _resources_pb2.GroupOptions | None = ...,
         placement_mode: Global___PlacementMode.ValueType = ...,
+        wait_for_admission: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_group_id", b"_group_id", "group_id", b"group_id", "group_options", b"group_options"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_id", b"_group_id", "group_id", b"group_id", "group_options", b"group_options", "group_size", b"group_size", "metadata", b"metadata", "placement_mode", b"placement_mode", "request_id", b"request_id", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_id", b"_group_id", "group_id", b"group_id", "group_options", b"group_options", "group_size", b"group_size", "metadata", b"metadata", "placement_mode", b"placement_mode", "request_id", b"request_id", "task_id", b"task_id", "wait_for_admission", b"wait_for_admission"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__group_id: _TypeAlias = _typing.Literal["group_id"]  # noqa: Y015
     _WhichOneofArgType__group_id: _TypeAlias = _typing.Literal["_group_id", b"_group_id"]  # noqa: Y015
@@ -272,6 +285,7 @@ class StartGroupRequest(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     GROUP_OPTIONS_FIELD_NUMBER: _builtins.int
     PLACEMENT_MODE_FIELD_NUMBER: _builtins.int
+    WAIT_FOR_ADMISSION_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """The task (prompt) every member answers. Required."""
     group_id: _builtins.str
@@ -283,6 +297,8 @@ class StartGroupRequest(_message.Message):
     request_id: _builtins.str
     """Idempotency key for the whole group."""
     placement_mode: Global___PlacementMode.ValueType
+    wait_for_admission: _builtins.bool
+    """As StartSessionRequest.wait_for_admission."""
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Caller metadata kept with every session."""
@@ -299,10 +315,11 @@ class StartGroupRequest(_message.Message):
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         group_options: _resources_pb2.GroupOptions | None = ...,
         placement_mode: Global___PlacementMode.ValueType = ...,
+        wait_for_admission: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_group_id", b"_group_id", "group_id", b"group_id", "group_options", b"group_options"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_id", b"_group_id", "group_id", b"group_id", "group_options", b"group_options", "group_size", b"group_size", "metadata", b"metadata", "placement_mode", b"placement_mode", "request_id", b"request_id", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_id", b"_group_id", "group_id", b"group_id", "group_options", b"group_options", "group_size", b"group_size", "metadata", b"metadata", "placement_mode", b"placement_mode", "request_id", b"request_id", "task_id", b"task_id", "wait_for_admission", b"wait_for_admission"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__group_id: _TypeAlias = _typing.Literal["group_id"]  # noqa: Y015
     _WhichOneofArgType__group_id: _TypeAlias = _typing.Literal["_group_id", b"_group_id"]  # noqa: Y015
@@ -539,6 +556,8 @@ class RewardEntry(_message.Message):
     SESSION_FIELD_NUMBER: _builtins.int
     REWARD_FIELD_NUMBER: _builtins.int
     FILTER_METRIC_FIELD_NUMBER: _builtins.int
+    MIN_VERSION_FIELD_NUMBER: _builtins.int
+    MAX_VERSION_FIELD_NUMBER: _builtins.int
     session: _builtins.str
     """`groups/{group_id}/sessions/{index}`."""
     reward: _builtins.float
@@ -549,16 +568,24 @@ class RewardEntry(_message.Message):
     finite. A resubmission must repeat it: another metric with the same reward is a
     CONFLICT.
     """
+    min_version: _builtins.int
+    """The oldest and newest policy versions the generation used, when it swapped weights
+    mid-session; 0 and 0 keep the session's start version. One of them 0 means it equals
+    the other; min_version above max_version is REWARD_STATUS_INVALID_VERSIONS.
+    """
+    max_version: _builtins.int
     def __init__(
         self,
         *,
         session: _builtins.str = ...,
         reward: _builtins.float = ...,
         filter_metric: _builtins.float | None = ...,
+        min_version: _builtins.int = ...,
+        max_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "filter_metric", b"filter_metric"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "filter_metric", b"filter_metric", "reward", b"reward", "session", b"session"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "filter_metric", b"filter_metric", "max_version", b"max_version", "min_version", b"min_version", "reward", b"reward", "session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__filter_metric: _TypeAlias = _typing.Literal["filter_metric"]  # noqa: Y015
     _WhichOneofArgType__filter_metric: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric"]  # noqa: Y015
@@ -729,6 +756,7 @@ class SubscribeGroupsRequest(_message.Message):
     AFTER_CURSOR_FIELD_NUMBER: _builtins.int
     FROM_LATEST_FIELD_NUMBER: _builtins.int
     SKIP_DEGENERATE_FIELD_NUMBER: _builtins.int
+    MIN_VERSION_FIELD_NUMBER: _builtins.int
     after_cursor: _builtins.int
     """Deliver groups with a cursor greater than this one: 0 from the oldest retained group
     (whatever was evicted before it), or the last cursor the trainer processed. A nonzero
@@ -744,16 +772,22 @@ class SubscribeGroupsRequest(_message.Message):
     """Leave out degenerate groups (GroupResult.degenerate): they are counted in
     `skipped_degenerate` instead, and `last_cursor` moves past them.
     """
+    min_version: _builtins.int
+    """Deliver only groups whose min_version is at least this one (0: every group); the
+    others are skipped, and counted in `skipped_groups`. Groups of unknown version (0) are
+    skipped by any non-zero filter.
+    """
     def __init__(
         self,
         *,
         after_cursor: _builtins.int = ...,
         from_latest: _builtins.bool = ...,
         skip_degenerate: _builtins.bool = ...,
+        min_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_cursor", b"after_cursor", "from_latest", b"from_latest", "skip_degenerate", b"skip_degenerate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_cursor", b"after_cursor", "from_latest", b"from_latest", "min_version", b"min_version", "skip_degenerate", b"skip_degenerate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -766,11 +800,17 @@ class SubscribeGroupsResponse(_message.Message):
     GROUPS_FIELD_NUMBER: _builtins.int
     SKIPPED_DEGENERATE_FIELD_NUMBER: _builtins.int
     LAST_CURSOR_FIELD_NUMBER: _builtins.int
+    SKIPPED_GROUPS_FIELD_NUMBER: _builtins.int
     skipped_degenerate: _builtins.int
     """How many degenerate groups this message covers but leaves out (skip_degenerate)."""
     last_cursor: _builtins.int
     """The cursor of the last group this message covers, skipped ones included: resume after
     it.
+    """
+    skipped_groups: _builtins.int
+    """How many groups this message covers but leaves out because their min_version is below
+    the request's `min_version`. A group left out by both filters is counted here only, not
+    in `skipped_degenerate`.
     """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.GroupResult]:
@@ -785,11 +825,115 @@ class SubscribeGroupsResponse(_message.Message):
         groups: _abc.Iterable[_resources_pb2.GroupResult] | None = ...,
         skipped_degenerate: _builtins.int = ...,
         last_cursor: _builtins.int = ...,
+        skipped_groups: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "last_cursor", b"last_cursor", "skipped_degenerate", b"skipped_degenerate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "last_cursor", b"last_cursor", "skipped_degenerate", b"skipped_degenerate", "skipped_groups", b"skipped_groups"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SubscribeGroupsResponse: _TypeAlias = SubscribeGroupsResponse  # noqa: Y015
+
+@_typing.final
+class SetTrainerStateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
+    CLEAR_POLICY_FIELD_NUMBER: _builtins.int
+    RESET_COUNTERS_FIELD_NUMBER: _builtins.int
+    REFUSE_MIXED_VERSIONS_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """The trainer's current policy version; never lower than the one the router holds."""
+    clear_policy: _builtins.bool
+    """Removes the policy (no limit any more); policy must then be unset."""
+    reset_counters: _builtins.bool
+    """Restarts the admission counters (groups_started, groups_dropped) from zero, for a
+    trainer that restarts its step count.
+    """
+    refuse_mixed_versions: _builtins.bool
+    """Refuse new groups while the fleet reports mixed policy versions; unset keeps the
+    current setting.
+    """
+    @_builtins.property
+    def policy(self) -> _resources_pb2.StalenessPolicy:
+        """The staleness policy to put in force; unset keeps the current one."""
+
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        policy: _resources_pb2.StalenessPolicy | None = ...,
+        clear_policy: _builtins.bool = ...,
+        reset_counters: _builtins.bool = ...,
+        refuse_mixed_versions: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_refuse_mixed_versions", b"_refuse_mixed_versions", "policy", b"policy", "refuse_mixed_versions", b"refuse_mixed_versions"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_refuse_mixed_versions", b"_refuse_mixed_versions", "clear_policy", b"clear_policy", "policy", b"policy", "refuse_mixed_versions", b"refuse_mixed_versions", "reset_counters", b"reset_counters", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__refuse_mixed_versions: _TypeAlias = _typing.Literal["refuse_mixed_versions"]  # noqa: Y015
+    _WhichOneofArgType__refuse_mixed_versions: _TypeAlias = _typing.Literal["_refuse_mixed_versions", b"_refuse_mixed_versions"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__refuse_mixed_versions) -> _WhichOneofReturnType__refuse_mixed_versions | None: ...
+
+Global___SetTrainerStateRequest: _TypeAlias = SetTrainerStateRequest  # noqa: Y015
+
+@_typing.final
+class SetTrainerStateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def state(self) -> _resources_pb2.TrainerState:
+        """The state now in force."""
+
+    def __init__(
+        self,
+        *,
+        state: _resources_pb2.TrainerState | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetTrainerStateResponse: _TypeAlias = SetTrainerStateResponse  # noqa: Y015
+
+@_typing.final
+class GetTrainerStateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTrainerStateRequest: _TypeAlias = GetTrainerStateRequest  # noqa: Y015
+
+@_typing.final
+class GetTrainerStateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def state(self) -> _resources_pb2.TrainerState:
+        """The state in force."""
+
+    def __init__(
+        self,
+        *,
+        state: _resources_pb2.TrainerState | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTrainerStateResponse: _TypeAlias = GetTrainerStateResponse  # noqa: Y015

@@ -108,6 +108,16 @@ class SessionServiceStub(object):
                 request_serializer=sessionrouter_dot_v1_dot_session__service__pb2.SubscribeGroupsRequest.SerializeToString,
                 response_deserializer=sessionrouter_dot_v1_dot_session__service__pb2.SubscribeGroupsResponse.FromString,
                 _registered_method=True)
+        self.SetTrainerState = channel.unary_unary(
+                '/sessionrouter.v1.SessionService/SetTrainerState',
+                request_serializer=sessionrouter_dot_v1_dot_session__service__pb2.SetTrainerStateRequest.SerializeToString,
+                response_deserializer=sessionrouter_dot_v1_dot_session__service__pb2.SetTrainerStateResponse.FromString,
+                _registered_method=True)
+        self.GetTrainerState = channel.unary_unary(
+                '/sessionrouter.v1.SessionService/GetTrainerState',
+                request_serializer=sessionrouter_dot_v1_dot_session__service__pb2.GetTrainerStateRequest.SerializeToString,
+                response_deserializer=sessionrouter_dot_v1_dot_session__service__pb2.GetTrainerStateResponse.FromString,
+                _registered_method=True)
 
 
 class SessionServiceServicer(object):
@@ -214,6 +224,26 @@ class SessionServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetTrainerState(self, request, context):
+        """Sets the trainer's policy version and, optionally, its staleness policy. The trainer
+        reports its version with an RPC of its own rather than on the feed because the feed has
+        no acknowledgement to carry it (it resumes by cursor, a server stream), because trainers
+        that read results from SubmitRewards or from arrays never subscribe at all, and because
+        admission must open the moment the trainer steps, not when it next reads the feed.
+        A version going backwards is FAILED_PRECONDITION (VERSION_BACKWARDS), a policy with
+        batch_size 0 INVALID_ARGUMENT; either leaves the state unchanged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTrainerState(self, request, context):
+        """Returns the trainer state, admission counters and weight update in progress.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -256,6 +286,16 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     servicer.SubscribeGroups,
                     request_deserializer=sessionrouter_dot_v1_dot_session__service__pb2.SubscribeGroupsRequest.FromString,
                     response_serializer=sessionrouter_dot_v1_dot_session__service__pb2.SubscribeGroupsResponse.SerializeToString,
+            ),
+            'SetTrainerState': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetTrainerState,
+                    request_deserializer=sessionrouter_dot_v1_dot_session__service__pb2.SetTrainerStateRequest.FromString,
+                    response_serializer=sessionrouter_dot_v1_dot_session__service__pb2.SetTrainerStateResponse.SerializeToString,
+            ),
+            'GetTrainerState': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTrainerState,
+                    request_deserializer=sessionrouter_dot_v1_dot_session__service__pb2.GetTrainerStateRequest.FromString,
+                    response_serializer=sessionrouter_dot_v1_dot_session__service__pb2.GetTrainerStateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -503,6 +543,60 @@ class SessionService(object):
             '/sessionrouter.v1.SessionService/SubscribeGroups',
             sessionrouter_dot_v1_dot_session__service__pb2.SubscribeGroupsRequest.SerializeToString,
             sessionrouter_dot_v1_dot_session__service__pb2.SubscribeGroupsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetTrainerState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sessionrouter.v1.SessionService/SetTrainerState',
+            sessionrouter_dot_v1_dot_session__service__pb2.SetTrainerStateRequest.SerializeToString,
+            sessionrouter_dot_v1_dot_session__service__pb2.SetTrainerStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTrainerState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sessionrouter.v1.SessionService/GetTrainerState',
+            sessionrouter_dot_v1_dot_session__service__pb2.GetTrainerStateRequest.SerializeToString,
+            sessionrouter_dot_v1_dot_session__service__pb2.GetTrainerStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -97,6 +97,17 @@ class SessionServiceStub:
     from there after a disconnect instead of skipping the groups it missed. A draining router
     ends the stream with UNAVAILABLE (SHUTTING_DOWN, metadata `cursor`: the last cursor sent).
     """
+    SetTrainerState: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.SetTrainerStateRequest, _session_service_pb2.SetTrainerStateResponse]
+    """Sets the trainer's policy version and, optionally, its staleness policy. The trainer
+    reports its version with an RPC of its own rather than on the feed because the feed has
+    no acknowledgement to carry it (it resumes by cursor, a server stream), because trainers
+    that read results from SubmitRewards or from arrays never subscribe at all, and because
+    admission must open the moment the trainer steps, not when it next reads the feed.
+    A version going backwards is FAILED_PRECONDITION (VERSION_BACKWARDS), a policy with
+    batch_size 0 INVALID_ARGUMENT; either leaves the state unchanged.
+    """
+    GetTrainerState: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.GetTrainerStateRequest, _session_service_pb2.GetTrainerStateResponse]
+    """Returns the trainer state, admission counters and weight update in progress."""
 
 @_typing.type_check_only
 class SessionServiceAsyncStub(SessionServiceStub):
@@ -167,6 +178,17 @@ class SessionServiceAsyncStub(SessionServiceStub):
     from there after a disconnect instead of skipping the groups it missed. A draining router
     ends the stream with UNAVAILABLE (SHUTTING_DOWN, metadata `cursor`: the last cursor sent).
     """
+    SetTrainerState: _aio.UnaryUnaryMultiCallable[_session_service_pb2.SetTrainerStateRequest, _session_service_pb2.SetTrainerStateResponse]  # type: ignore[assignment]
+    """Sets the trainer's policy version and, optionally, its staleness policy. The trainer
+    reports its version with an RPC of its own rather than on the feed because the feed has
+    no acknowledgement to carry it (it resumes by cursor, a server stream), because trainers
+    that read results from SubmitRewards or from arrays never subscribe at all, and because
+    admission must open the moment the trainer steps, not when it next reads the feed.
+    A version going backwards is FAILED_PRECONDITION (VERSION_BACKWARDS), a policy with
+    batch_size 0 INVALID_ARGUMENT; either leaves the state unchanged.
+    """
+    GetTrainerState: _aio.UnaryUnaryMultiCallable[_session_service_pb2.GetTrainerStateRequest, _session_service_pb2.GetTrainerStateResponse]  # type: ignore[assignment]
+    """Returns the trainer state, admission counters and weight update in progress."""
 
 class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
     """Places rollout sessions on workers, keeps group membership, collects rewards and hands back
@@ -282,5 +304,28 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         from there after a disconnect instead of skipping the groups it missed. A draining router
         ends the stream with UNAVAILABLE (SHUTTING_DOWN, metadata `cursor`: the last cursor sent).
         """
+
+    @_abc_1.abstractmethod
+    def SetTrainerState(
+        self,
+        request: _session_service_pb2.SetTrainerStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_session_service_pb2.SetTrainerStateResponse, _abc.Awaitable[_session_service_pb2.SetTrainerStateResponse]]:
+        """Sets the trainer's policy version and, optionally, its staleness policy. The trainer
+        reports its version with an RPC of its own rather than on the feed because the feed has
+        no acknowledgement to carry it (it resumes by cursor, a server stream), because trainers
+        that read results from SubmitRewards or from arrays never subscribe at all, and because
+        admission must open the moment the trainer steps, not when it next reads the feed.
+        A version going backwards is FAILED_PRECONDITION (VERSION_BACKWARDS), a policy with
+        batch_size 0 INVALID_ARGUMENT; either leaves the state unchanged.
+        """
+
+    @_abc_1.abstractmethod
+    def GetTrainerState(
+        self,
+        request: _session_service_pb2.GetTrainerStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_session_service_pb2.GetTrainerStateResponse, _abc.Awaitable[_session_service_pb2.GetTrainerStateResponse]]:
+        """Returns the trainer state, admission counters and weight update in progress."""
 
 def add_SessionServiceServicer_to_server(servicer: SessionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -16,7 +16,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from sessionrouter.v1 import resources_pb2 as sessionrouter_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%sessionrouter/v1/worker_service.proto\x12\x10sessionrouter.v1\x1a\x1egoogle/protobuf/duration.proto\x1a sessionrouter/v1/resources.proto\"\xc1\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\r\x12\x43\n\x06labels\x18\x04 \x03(\x0b\x32\x33.sessionrouter.v1.RegisterWorkerRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"x\n\x16RegisterWorkerResponse\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.sessionrouter.v1.Worker\x12\x34\n\x11heartbeat_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"%\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"=\n\x11HeartbeatResponse\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.sessionrouter.v1.Worker\"7\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06resume\x18\x02 \x01(\x08\"?\n\x13\x44rainWorkerResponse\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.sessionrouter.v1.Worker\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"[\n\x18\x44\x65registerWorkerResponse\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.sessionrouter.v1.Worker\x12\x15\n\rlost_sessions\x18\x02 \x01(\r\"%\n\x10GetWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"=\n\x11GetWorkerResponse\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.sessionrouter.v1.Worker\";\n\x12ListWorkersRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"Y\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.sessionrouter.v1.Worker\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t2\xc3\x04\n\rWorkerService\x12\x63\n\x0eRegisterWorker\x12\'.sessionrouter.v1.RegisterWorkerRequest\x1a(.sessionrouter.v1.RegisterWorkerResponse\x12T\n\tHeartbeat\x12\".sessionrouter.v1.HeartbeatRequest\x1a#.sessionrouter.v1.HeartbeatResponse\x12Z\n\x0b\x44rainWorker\x12$.sessionrouter.v1.DrainWorkerRequest\x1a%.sessionrouter.v1.DrainWorkerResponse\x12i\n\x10\x44\x65registerWorker\x12).sessionrouter.v1.DeregisterWorkerRequest\x1a*.sessionrouter.v1.DeregisterWorkerResponse\x12T\n\tGetWorker\x12\".sessionrouter.v1.GetWorkerRequest\x1a#.sessionrouter.v1.GetWorkerResponse\x12Z\n\x0bListWorkers\x12$.sessionrouter.v1.ListWorkersRequest\x1a%.sessionrouter.v1.ListWorkersResponseBg\n\x14\x64\x65v.sessionrouter.v1B\x12WorkerServiceProtoP\x01Z9sessionrouter.dev/gen/go/sessionrouter/v1;sessionrouterv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%sessionrouter/v1/worker_service.proto\x12\x10sessionrouter.v1\x1a\x1egoogle/protobuf/duration.proto\x1a sessionrouter/v1/resources.proto\"\xd9\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\r\x12\x43\n\x06labels\x18\x04 \x03(\x0b\x32\x33.sessionrouter.v1.RegisterWorkerRequest.LabelsEntry\x12\x16\n\x0epolicy_version\x18( \x01(\x04\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"x\n\x16RegisterWorkerResponse\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.sessionrouter.v1.Worker\x12\x34\n\x11heartbeat_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"=\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18( \x01(\x04\"=\n\x11HeartbeatResponse\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.sessionrouter.v1.Worker\"7\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06resume\x18\x02 \x01(\x08\"?\n\x13\x44rainWorkerResponse\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.sessionrouter.v1.Worker\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"[\n\x18\x44\x65registerWorkerResponse\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.sessionrouter.v1.Worker\x12\x15\n\rlost_sessions\x18\x02 \x01(\r\"%\n\x10GetWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"=\n\x11GetWorkerResponse\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.sessionrouter.v1.Worker\";\n\x12ListWorkersRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"Y\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.sessionrouter.v1.Worker\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"[\n\x18\x42\x65ginWeightUpdateRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x12\n\nworker_ids\x18\x02 \x03(\t\x12\x1a\n\x12interrupt_sessions\x18\x03 \x01(\x08\"d\n\x19\x42\x65ginWeightUpdateResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.sessionrouter.v1.Worker\x12\x1c\n\x14interrupted_sessions\x18\x02 \x01(\r\"A\n\x1b\x43ompleteWeightUpdateRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"a\n\x1c\x43ompleteWeightUpdateResponse\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.sessionrouter.v1.Worker\x12\x17\n\x0fupdate_finished\x18\x02 \x01(\x08\x32\xa8\x06\n\rWorkerService\x12\x63\n\x0eRegisterWorker\x12\'.sessionrouter.v1.RegisterWorkerRequest\x1a(.sessionrouter.v1.RegisterWorkerResponse\x12T\n\tHeartbeat\x12\".sessionrouter.v1.HeartbeatRequest\x1a#.sessionrouter.v1.HeartbeatResponse\x12Z\n\x0b\x44rainWorker\x12$.sessionrouter.v1.DrainWorkerRequest\x1a%.sessionrouter.v1.DrainWorkerResponse\x12i\n\x10\x44\x65registerWorker\x12).sessionrouter.v1.DeregisterWorkerRequest\x1a*.sessionrouter.v1.DeregisterWorkerResponse\x12T\n\tGetWorker\x12\".sessionrouter.v1.GetWorkerRequest\x1a#.sessionrouter.v1.GetWorkerResponse\x12Z\n\x0bListWorkers\x12$.sessionrouter.v1.ListWorkersRequest\x1a%.sessionrouter.v1.ListWorkersResponse\x12l\n\x11\x42\x65ginWeightUpdate\x12*.sessionrouter.v1.BeginWeightUpdateRequest\x1a+.sessionrouter.v1.BeginWeightUpdateResponse\x12u\n\x14\x43ompleteWeightUpdate\x12-.sessionrouter.v1.CompleteWeightUpdateRequest\x1a..sessionrouter.v1.CompleteWeightUpdateResponseBg\n\x14\x64\x65v.sessionrouter.v1B\x12WorkerServiceProtoP\x01Z9sessionrouter.dev/gen/go/sessionrouter/v1;sessionrouterv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -27,31 +27,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERWORKERREQUEST_LABELSENTRY']._loaded_options = None
   _globals['_REGISTERWORKERREQUEST_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_REGISTERWORKERREQUEST']._serialized_start=126
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=319
-  _globals['_REGISTERWORKERREQUEST_LABELSENTRY']._serialized_start=274
-  _globals['_REGISTERWORKERREQUEST_LABELSENTRY']._serialized_end=319
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=321
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=441
-  _globals['_HEARTBEATREQUEST']._serialized_start=443
-  _globals['_HEARTBEATREQUEST']._serialized_end=480
-  _globals['_HEARTBEATRESPONSE']._serialized_start=482
-  _globals['_HEARTBEATRESPONSE']._serialized_end=543
-  _globals['_DRAINWORKERREQUEST']._serialized_start=545
-  _globals['_DRAINWORKERREQUEST']._serialized_end=600
-  _globals['_DRAINWORKERRESPONSE']._serialized_start=602
-  _globals['_DRAINWORKERRESPONSE']._serialized_end=665
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=667
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=711
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=713
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=804
-  _globals['_GETWORKERREQUEST']._serialized_start=806
-  _globals['_GETWORKERREQUEST']._serialized_end=843
-  _globals['_GETWORKERRESPONSE']._serialized_start=845
-  _globals['_GETWORKERRESPONSE']._serialized_end=906
-  _globals['_LISTWORKERSREQUEST']._serialized_start=908
-  _globals['_LISTWORKERSREQUEST']._serialized_end=967
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=969
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1058
-  _globals['_WORKERSERVICE']._serialized_start=1061
-  _globals['_WORKERSERVICE']._serialized_end=1640
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=343
+  _globals['_REGISTERWORKERREQUEST_LABELSENTRY']._serialized_start=298
+  _globals['_REGISTERWORKERREQUEST_LABELSENTRY']._serialized_end=343
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=345
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=465
+  _globals['_HEARTBEATREQUEST']._serialized_start=467
+  _globals['_HEARTBEATREQUEST']._serialized_end=528
+  _globals['_HEARTBEATRESPONSE']._serialized_start=530
+  _globals['_HEARTBEATRESPONSE']._serialized_end=591
+  _globals['_DRAINWORKERREQUEST']._serialized_start=593
+  _globals['_DRAINWORKERREQUEST']._serialized_end=648
+  _globals['_DRAINWORKERRESPONSE']._serialized_start=650
+  _globals['_DRAINWORKERRESPONSE']._serialized_end=713
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=715
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=759
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=761
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=852
+  _globals['_GETWORKERREQUEST']._serialized_start=854
+  _globals['_GETWORKERREQUEST']._serialized_end=891
+  _globals['_GETWORKERRESPONSE']._serialized_start=893
+  _globals['_GETWORKERRESPONSE']._serialized_end=954
+  _globals['_LISTWORKERSREQUEST']._serialized_start=956
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1015
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1017
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1106
+  _globals['_BEGINWEIGHTUPDATEREQUEST']._serialized_start=1108
+  _globals['_BEGINWEIGHTUPDATEREQUEST']._serialized_end=1199
+  _globals['_BEGINWEIGHTUPDATERESPONSE']._serialized_start=1201
+  _globals['_BEGINWEIGHTUPDATERESPONSE']._serialized_end=1301
+  _globals['_COMPLETEWEIGHTUPDATEREQUEST']._serialized_start=1303
+  _globals['_COMPLETEWEIGHTUPDATEREQUEST']._serialized_end=1368
+  _globals['_COMPLETEWEIGHTUPDATERESPONSE']._serialized_start=1370
+  _globals['_COMPLETEWEIGHTUPDATERESPONSE']._serialized_end=1467
+  _globals['_WORKERSERVICE']._serialized_start=1470
+  _globals['_WORKERSERVICE']._serialized_end=2278
 # @@protoc_insertion_point(module_scope)

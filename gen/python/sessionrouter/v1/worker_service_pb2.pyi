@@ -48,12 +48,17 @@ class RegisterWorkerRequest(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     CAPACITY_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Stable identifier chosen by the worker (host name and port, for example)."""
     address: _builtins.str
     """Where rollout clients reach the worker; 1 to 256 characters."""
     capacity: _builtins.int
     """Concurrent sessions the worker runs; 1 to 1,000,000."""
+    policy_version: _builtins.int
+    """The policy version the worker serves; 0 means unknown (keeps the one held). Lower than
+    the held version is FAILED_PRECONDITION (VERSION_BACKWARDS).
+    """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Free-form labels; see Worker.labels for limits."""
@@ -65,10 +70,11 @@ class RegisterWorkerRequest(_message.Message):
         address: _builtins.str = ...,
         capacity: _builtins.int = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        policy_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity", b"capacity", "labels", b"labels", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity", b"capacity", "labels", b"labels", "policy_version", b"policy_version", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -105,15 +111,22 @@ class HeartbeatRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WORKER_ID_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
+    policy_version: _builtins.int
+    """The policy version the worker serves now; 0 keeps the one held. Lower than the held
+    version is FAILED_PRECONDITION (VERSION_BACKWARDS) and records nothing; the target
+    version of a weight update in progress (or newer) completes the update.
+    """
     def __init__(
         self,
         *,
         worker_id: _builtins.str = ...,
+        policy_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["policy_version", b"policy_version", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -313,3 +326,112 @@ class ListWorkersResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListWorkersResponse: _TypeAlias = ListWorkersResponse  # noqa: Y015
+
+@_typing.final
+class BeginWeightUpdateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    WORKER_IDS_FIELD_NUMBER: _builtins.int
+    INTERRUPT_SESSIONS_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """The version the workers move to; at least 1, above each selected worker's version."""
+    interrupt_sessions: _builtins.bool
+    """Mark the open sessions of the selected workers interrupted (Session.interrupted)
+    instead of leaving them running unmarked.
+    """
+    @_builtins.property
+    def worker_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The workers to update; empty selects every registered worker (a fleet-wide update)."""
+
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        worker_ids: _abc.Iterable[_builtins.str] | None = ...,
+        interrupt_sessions: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["interrupt_sessions", b"interrupt_sessions", "version", b"version", "worker_ids", b"worker_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginWeightUpdateRequest: _TypeAlias = BeginWeightUpdateRequest  # noqa: Y015
+
+@_typing.final
+class BeginWeightUpdateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKERS_FIELD_NUMBER: _builtins.int
+    INTERRUPTED_SESSIONS_FIELD_NUMBER: _builtins.int
+    interrupted_sessions: _builtins.int
+    """Open sessions marked interrupted."""
+    @_builtins.property
+    def workers(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.Worker]:
+        """The selected workers, now updating."""
+
+    def __init__(
+        self,
+        *,
+        workers: _abc.Iterable[_resources_pb2.Worker] | None = ...,
+        interrupted_sessions: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["interrupted_sessions", b"interrupted_sessions", "workers", b"workers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginWeightUpdateResponse: _TypeAlias = BeginWeightUpdateResponse  # noqa: Y015
+
+@_typing.final
+class CompleteWeightUpdateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    version: _builtins.int
+    """The version the worker now serves; 0 means the update's target. Lower than the target
+    is INVALID_ARGUMENT.
+    """
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompleteWeightUpdateRequest: _TypeAlias = CompleteWeightUpdateRequest  # noqa: Y015
+
+@_typing.final
+class CompleteWeightUpdateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_FIELD_NUMBER: _builtins.int
+    UPDATE_FINISHED_FIELD_NUMBER: _builtins.int
+    update_finished: _builtins.bool
+    """True when no worker of the update is left updating (the update is over)."""
+    @_builtins.property
+    def worker(self) -> _resources_pb2.Worker:
+        """The worker, back in placement."""
+
+    def __init__(
+        self,
+        *,
+        worker: _resources_pb2.Worker | None = ...,
+        update_finished: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["update_finished", b"update_finished", "worker", b"worker"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompleteWeightUpdateResponse: _TypeAlias = CompleteWeightUpdateResponse  # noqa: Y015

@@ -74,6 +74,16 @@ class WorkerServiceStub(object):
                 request_serializer=sessionrouter_dot_v1_dot_worker__service__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=sessionrouter_dot_v1_dot_worker__service__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
+        self.BeginWeightUpdate = channel.unary_unary(
+                '/sessionrouter.v1.WorkerService/BeginWeightUpdate',
+                request_serializer=sessionrouter_dot_v1_dot_worker__service__pb2.BeginWeightUpdateRequest.SerializeToString,
+                response_deserializer=sessionrouter_dot_v1_dot_worker__service__pb2.BeginWeightUpdateResponse.FromString,
+                _registered_method=True)
+        self.CompleteWeightUpdate = channel.unary_unary(
+                '/sessionrouter.v1.WorkerService/CompleteWeightUpdate',
+                request_serializer=sessionrouter_dot_v1_dot_worker__service__pb2.CompleteWeightUpdateRequest.SerializeToString,
+                response_deserializer=sessionrouter_dot_v1_dot_worker__service__pb2.CompleteWeightUpdateResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer(object):
@@ -129,6 +139,27 @@ class WorkerServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BeginWeightUpdate(self, request, context):
+        """Starts a weight update to `version` on the selected workers (every registered worker
+        when none is named): they take no new sessions until each completes. Their open
+        sessions keep running, or, with interrupt_sessions, are marked interrupted. During a
+        fleet-wide update new sessions wait or get UNAVAILABLE (WEIGHT_UPDATE_IN_PROGRESS), as
+        the start request asks. An unknown worker is NOT_FOUND, a version not above a selected
+        worker's current one FAILED_PRECONDITION; nothing changes then.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompleteWeightUpdate(self, request, context):
+        """Puts a worker back into placement with its new version. A worker not in a weight update
+        is FAILED_PRECONDITION (WORKER_NOT_UPDATING). A heartbeat that reports the target
+        version (or a newer one) does the same.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +192,16 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=sessionrouter_dot_v1_dot_worker__service__pb2.ListWorkersRequest.FromString,
                     response_serializer=sessionrouter_dot_v1_dot_worker__service__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'BeginWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginWeightUpdate,
+                    request_deserializer=sessionrouter_dot_v1_dot_worker__service__pb2.BeginWeightUpdateRequest.FromString,
+                    response_serializer=sessionrouter_dot_v1_dot_worker__service__pb2.BeginWeightUpdateResponse.SerializeToString,
+            ),
+            'CompleteWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompleteWeightUpdate,
+                    request_deserializer=sessionrouter_dot_v1_dot_worker__service__pb2.CompleteWeightUpdateRequest.FromString,
+                    response_serializer=sessionrouter_dot_v1_dot_worker__service__pb2.CompleteWeightUpdateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -330,6 +371,60 @@ class WorkerService(object):
             '/sessionrouter.v1.WorkerService/ListWorkers',
             sessionrouter_dot_v1_dot_worker__service__pb2.ListWorkersRequest.SerializeToString,
             sessionrouter_dot_v1_dot_worker__service__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sessionrouter.v1.WorkerService/BeginWeightUpdate',
+            sessionrouter_dot_v1_dot_worker__service__pb2.BeginWeightUpdateRequest.SerializeToString,
+            sessionrouter_dot_v1_dot_worker__service__pb2.BeginWeightUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompleteWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sessionrouter.v1.WorkerService/CompleteWeightUpdate',
+            sessionrouter_dot_v1_dot_worker__service__pb2.CompleteWeightUpdateRequest.SerializeToString,
+            sessionrouter_dot_v1_dot_worker__service__pb2.CompleteWeightUpdateResponse.FromString,
             options,
             channel_credentials,
             insecure,

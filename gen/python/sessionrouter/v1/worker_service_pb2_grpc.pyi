@@ -55,6 +55,19 @@ class WorkerServiceStub:
     """Returns one worker with its load."""
     ListWorkers: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.ListWorkersRequest, _worker_service_pb2.ListWorkersResponse]
     """Lists workers ordered by worker_id, with their load."""
+    BeginWeightUpdate: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.BeginWeightUpdateRequest, _worker_service_pb2.BeginWeightUpdateResponse]
+    """Starts a weight update to `version` on the selected workers (every registered worker
+    when none is named): they take no new sessions until each completes. Their open
+    sessions keep running, or, with interrupt_sessions, are marked interrupted. During a
+    fleet-wide update new sessions wait or get UNAVAILABLE (WEIGHT_UPDATE_IN_PROGRESS), as
+    the start request asks. An unknown worker is NOT_FOUND, a version not above a selected
+    worker's current one FAILED_PRECONDITION; nothing changes then.
+    """
+    CompleteWeightUpdate: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.CompleteWeightUpdateRequest, _worker_service_pb2.CompleteWeightUpdateResponse]
+    """Puts a worker back into placement with its new version. A worker not in a weight update
+    is FAILED_PRECONDITION (WORKER_NOT_UPDATING). A heartbeat that reports the target
+    version (or a newer one) does the same.
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -83,6 +96,19 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """Returns one worker with its load."""
     ListWorkers: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.ListWorkersRequest, _worker_service_pb2.ListWorkersResponse]  # type: ignore[assignment]
     """Lists workers ordered by worker_id, with their load."""
+    BeginWeightUpdate: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.BeginWeightUpdateRequest, _worker_service_pb2.BeginWeightUpdateResponse]  # type: ignore[assignment]
+    """Starts a weight update to `version` on the selected workers (every registered worker
+    when none is named): they take no new sessions until each completes. Their open
+    sessions keep running, or, with interrupt_sessions, are marked interrupted. During a
+    fleet-wide update new sessions wait or get UNAVAILABLE (WEIGHT_UPDATE_IN_PROGRESS), as
+    the start request asks. An unknown worker is NOT_FOUND, a version not above a selected
+    worker's current one FAILED_PRECONDITION; nothing changes then.
+    """
+    CompleteWeightUpdate: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.CompleteWeightUpdateRequest, _worker_service_pb2.CompleteWeightUpdateResponse]  # type: ignore[assignment]
+    """Puts a worker back into placement with its new version. A worker not in a weight update
+    is FAILED_PRECONDITION (WORKER_NOT_UPDATING). A heartbeat that reports the target
+    version (or a newer one) does the same.
+    """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     """Registers inference workers and tracks their health, drain state and load.
@@ -144,5 +170,30 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_service_pb2.ListWorkersResponse, _abc.Awaitable[_worker_service_pb2.ListWorkersResponse]]:
         """Lists workers ordered by worker_id, with their load."""
+
+    @_abc_1.abstractmethod
+    def BeginWeightUpdate(
+        self,
+        request: _worker_service_pb2.BeginWeightUpdateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_service_pb2.BeginWeightUpdateResponse, _abc.Awaitable[_worker_service_pb2.BeginWeightUpdateResponse]]:
+        """Starts a weight update to `version` on the selected workers (every registered worker
+        when none is named): they take no new sessions until each completes. Their open
+        sessions keep running, or, with interrupt_sessions, are marked interrupted. During a
+        fleet-wide update new sessions wait or get UNAVAILABLE (WEIGHT_UPDATE_IN_PROGRESS), as
+        the start request asks. An unknown worker is NOT_FOUND, a version not above a selected
+        worker's current one FAILED_PRECONDITION; nothing changes then.
+        """
+
+    @_abc_1.abstractmethod
+    def CompleteWeightUpdate(
+        self,
+        request: _worker_service_pb2.CompleteWeightUpdateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_service_pb2.CompleteWeightUpdateResponse, _abc.Awaitable[_worker_service_pb2.CompleteWeightUpdateResponse]]:
+        """Puts a worker back into placement with its new version. A worker not in a weight update
+        is FAILED_PRECONDITION (WORKER_NOT_UPDATING). A heartbeat that reports the target
+        version (or a newer one) does the same.
+        """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -12,7 +12,8 @@ case without parsing the message.
     ├── AlreadyExists         an id already taken by something else
     ├── FailedPrecondition    valid input that the current state refuses (group full, closed)
     ├── ResourceExhausted     a limit (open groups, workers, reply bytes; details say which),
-    │                         or strict placement cannot give distinct workers
+    │                         strict placement cannot give distinct workers, or the
+    │                         staleness limit (retry_after_s)
     ├── Unavailable           no eligible worker at all, or shutting down (retry_after_s)
     └── OutOfRange            a feed cursor older than what is retained
 """
@@ -60,8 +61,20 @@ class FailedPrecondition(RouterError):
 
 
 class ResourceExhausted(RouterError):
-    """A limit is reached (the metadata names it and its value), or strict placement has
-    fewer eligible workers than the group needs."""
+    """A limit is reached (the metadata names it and its value); strict placement has fewer
+    eligible workers than the group needs; or the staleness limit, which a retry after
+    ``retry_after_s`` (set then) may pass."""
+
+    def __init__(
+        self,
+        reason: str,
+        message: str,
+        *,
+        metadata: Mapping[str, object] | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(reason, message, metadata=metadata)
+        self.retry_after_s = retry_after_s
 
 
 class Unavailable(RouterError):

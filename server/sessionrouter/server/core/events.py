@@ -35,6 +35,9 @@ class WorkerSaved(NamedTuple):
     draining: bool
     seen_wall: float
     """Unix seconds of the change, shown as the last heartbeat time after a restart."""
+    policy_version: int = 0
+    updating_to: int = 0
+    """Non-zero while the worker is in a weight update to this version."""
 
 
 class WorkerRemoved(NamedTuple):
@@ -62,6 +65,10 @@ class GroupCreated(NamedTuple):
     """Unix seconds."""
     placement: str = ""
     """The group's placement policy (``placement.policy_to_text``); "" is the default."""
+    admitted_version: int = 0
+    """The trainer's version when the group was admitted."""
+    admission_epoch: int = 0
+    """The staleness counters' epoch the group counts in (0: not counted)."""
 
 
 class SessionStarted(NamedTuple):
@@ -76,6 +83,8 @@ class SessionStarted(NamedTuple):
     shared_worker: bool
     replaces: int = -1
     """Index of the member this one replaces; -1 for an original member."""
+    start_version: int = 0
+    """The worker's policy version at placement."""
 
 
 class RequestSaved(NamedTuple):
@@ -115,6 +124,40 @@ class SessionLost(NamedTuple):
     idx: int
 
 
+class SessionVersions(NamedTuple):
+    """The policy versions a reward entry said its generation used (before its reward)."""
+
+    group_seq: int
+    idx: int
+    min_version: int
+    max_version: int
+
+
+class SessionInterrupted(NamedTuple):
+    """A weight update of the session's worker asked for it to be reported interrupted."""
+
+    group_seq: int
+    idx: int
+
+
+class TrainerSaved(NamedTuple):
+    """The trainer's state, the admission counters and the weight update in progress: the
+    whole of it at every change (they change about once per group), so the journal keeps
+    only the last one."""
+
+    version: int
+    max_staleness: int
+    batch_size: int
+    """0: no staleness policy."""
+    refuse_mixed_versions: bool
+    started: int
+    dropped: int
+    epoch: int
+    update_version: int
+    """The weight update in progress; 0 when none."""
+    update_fleet_wide: bool
+
+
 class GroupFinalized(NamedTuple):
     """A finished group with its result and cursor. Journaled before the result is published:
     a cursor a subscriber has seen is never handed to another group after a crash."""
@@ -140,6 +183,9 @@ Event = (
     | SessionAborted
     | SessionLost
     | GroupFinalized
+    | SessionVersions
+    | SessionInterrupted
+    | TrainerSaved
 )
 
 
@@ -161,6 +207,8 @@ def group_created(group: GroupRecord) -> GroupCreated:
         group.create_time,
         group.deadline_wall,
         policy_to_text(settings.placement),
+        group.admitted_version,
+        group.admission_epoch,
     )
 
 
@@ -176,6 +224,7 @@ def session_started(group: GroupRecord, session: SessionRecord) -> SessionStarte
         session.create_time,
         session.shared_worker,
         session.replaces,
+        session.start_version,
     )
 
 
@@ -232,3 +281,5 @@ class RecoveredState:
     """Seq for the next group: above every seq ever used, including compacted ones."""
     events: int = 0
     """How many events the journal applied over its life (for the recovery log line)."""
+    trainer: TrainerSaved | None = None
+    """The trainer state last journaled; None when none ever was."""

@@ -59,6 +59,14 @@ class GroupResult:
     """(n,) aligned with ``sessions`` when every counted member gave one; else (0,)."""
     replaced_sessions: tuple[str, ...] = ()
     """Members replaced by another (``replace_lost``); also in ``excluded_sessions``."""
+    min_version: int = 0
+    """Oldest and newest policy versions of the members that count (of all members when
+    none counts); 0 when unknown."""
+    max_version: int = 0
+    trainer_version: int = 0
+    """The trainer's version at finalization."""
+    admitted_version: int = 0
+    """The trainer's version when the group was admitted."""
 
 
 @dataclass(slots=True, eq=False)
@@ -196,6 +204,20 @@ class GroupFeed:
             )
         start = cursor + 1 - self._first
         return self._items[start : start + limit]
+
+    def read_fresh_after(
+        self, cursor: int, limit: int, min_version: int
+    ) -> tuple[list[GroupResult], int, int]:
+        """Like ``read_after``, leaving out groups whose ``min_version`` is below
+        ``min_version``: returns (results, how many were skipped, the last cursor covered,
+        skipped ones included; ``cursor`` when nothing was read)."""
+        read = self.read_after(cursor, limit)
+        if not read:
+            return [], 0, cursor
+        if not min_version:
+            return read, 0, read[-1].cursor
+        fresh = [r for r in read if r.min_version >= min_version]
+        return fresh, len(read) - len(fresh), read[-1].cursor
 
     async def wait_beyond(self, cursor: int) -> bool:
         """Waits until a result with a cursor greater than ``cursor`` exists; False when the

@@ -52,6 +52,16 @@ class FinishedGroup:
     """Unix seconds."""
     origin: StreamOrigin | None
     """The stream and request whose reward finished the group, if any."""
+    trainer_version: int = 0
+    """The trainer's version when the group finished."""
+
+    def versions(self) -> tuple[int, int]:
+        """(min, max) policy version of the members that count, or of all members when
+        none counts; (0, 0) for a group without members."""
+        members = self.counted or self.excluded
+        if not members:
+            return 0, 0
+        return min(s.min_version for s in members), max(s.max_version for s in members)
 
 
 Listener = Callable[[GroupResult, GroupRecord], None]
@@ -163,6 +173,7 @@ class GroupFinalizer:
                 advantages = _EMPTY
             elif degenerate:
                 self.degenerate += 1
+            min_version, max_version = finished.versions()
             result = GroupResult(
                 cursor=self.feed.next_cursor() + len(self._unpublished),
                 group_id=group.group_id,
@@ -180,6 +191,10 @@ class GroupFinalizer:
                 finalize_time=finished.finalize_time,
                 filter_metrics=metrics,
                 replaced_sessions=tuple(s.name for s in finished.excluded if s.replaced_by >= 0),
+                min_version=min_version,
+                max_version=max_version,
+                trainer_version=finished.trainer_version,
+                admitted_version=group.admitted_version,
             )
             if self.journal is None:
                 self._publish(result, finished)

@@ -70,6 +70,14 @@ class SessionRecord:
     """Index of the member this one replaces; -1 for an original member."""
     replaced_by: int = -1
     """Index of the member that replaced this one; -1 if not replaced."""
+    start_version: int = 0
+    """The policy version of the worker when the session was placed (0: unknown)."""
+    min_version: int = 0
+    """Oldest and newest policy versions the generation used (given with the reward, else
+    the start version)."""
+    max_version: int = 0
+    interrupted: bool = False
+    """A weight update of the worker asked for its open sessions to be reported interrupted."""
 
     @property
     def name(self) -> str:
@@ -106,6 +114,10 @@ class GroupRecord:
     request_ids: list[str] = field(default_factory=list)
     replaced: int = 0
     """Members replaced (each is aborted and has one more member after it)."""
+    admitted_version: int = 0
+    """The trainer's version when the group was admitted."""
+    admission_epoch: int = 0
+    """The staleness counters' epoch the group counts in; 0 when it does not count."""
 
     @property
     def name(self) -> str:

@@ -1,6 +1,7 @@
 """Rebuilding a router's state from what a journal read back, before it serves.
 
-- Workers come back unhealthy (and keep their drain state) until they heartbeat or register
+- Workers come back unhealthy (and keep their drain state, policy version and weight update)
+  until they heartbeat or register
   again; their open sessions hold their slots meanwhile.
 - Groups keep their members, rewards and request ids; deadlines, stored as wall time, are
   converted to this process's monotonic clock, so they keep counting across the restart (a
@@ -75,7 +76,17 @@ def rebuild(
     if len(groups) or len(workers) or feed.last_cursor:
         raise RuntimeError("restore needs an empty router")
     for w in state.workers:
-        workers.restore(w.worker_id, w.address, w.capacity, w.labels, w.draining, now, w.seen_wall)
+        workers.restore(
+            w.worker_id,
+            w.address,
+            w.capacity,
+            w.labels,
+            w.draining,
+            now,
+            w.seen_wall,
+            w.policy_version,
+            w.updating_to,
+        )
     finished = sorted(
         (row for row in state.groups if row.result is not None),
         key=lambda row: row.result.cursor if row.result is not None else 0,
@@ -136,6 +147,8 @@ def _restored_group(row: GroupRow, workers: WorkerRegistry, now: float, wall: fl
         seq=c.seq,
         state=GroupState(row.state),
         cursor=row.result.cursor if row.result is not None else 0,
+        admitted_version=c.admitted_version,
+        admission_epoch=c.admission_epoch,
     )
     group.members = row.members
     per_worker = group.members_per_worker

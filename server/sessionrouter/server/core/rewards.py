@@ -21,6 +21,8 @@ class RewardStatus(enum.Enum):
     SESSION_ABORTED = "session_aborted"
     GROUP_CLOSED = "group_closed"
     """The group was finalized or dropped without this session."""
+    INVALID_VERSIONS = "invalid_versions"
+    """min_version above max_version."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,12 +20,14 @@ internals.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import heapq
 import logging
 import math
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 from sessionrouter.server.core.admission import check_joinable, check_start, resolve_options
 from sessionrouter.server.core.clock import Clock, SystemClock
@@ -50,7 +52,10 @@ from sessionrouter.server.core.events import (
     RecoveredState,
     RequestSaved,
     SessionAborted,
+    SessionInterrupted,
     SessionLost,
+    SessionVersions,
+    TrainerSaved,
     WorkerRemoved,
     WorkerSaved,
     group_created,
@@ -74,7 +79,14 @@ from sessionrouter.server.core.recovery import RestoreSummary, rebuild
 from sessionrouter.server.core.rewards import ACCEPTED, RewardOutcome, RewardStatus
 from sessionrouter.server.core.settings import RouterSettings, RouterSnapshot, RouterStats
 from sessionrouter.server.core.sizes import map_bytes, member_bytes
-from sessionrouter.server.core.streams import MemberReplaced, RewardFlow, StreamOrigin
+from sessionrouter.server.core.staleness import StalenessGate, StalenessPolicy
+from sessionrouter.server.core.streams import (
+    Entries,
+    Entry,
+    MemberReplaced,
+    RewardFlow,
+    StreamOrigin,
+)
 from sessionrouter.server.core.validation import (
     ID_MAX_LEN,
     MAX_REWARD_MAGNITUDE,
@@ -84,7 +96,22 @@ from sessionrouter.server.core.validation import (
     parse_session_name,
     try_parse_session_name,
 )
+from sessionrouter.server.core.weight_updates import (
+    WeightUpdate,
+    check_completion,
+    distinct_versions,
+    refuse_during_update,
+    select_for_update,
+)
 from sessionrouter.server.core.workers import SessionKey, WorkerRecord, WorkerRegistry
+
+_T = TypeVar("_T")
+
+WAITABLE_REASONS = frozenset({"STALENESS_LIMIT", "WEIGHT_UPDATE_IN_PROGRESS"})
+"""Refusals a start may wait out (``start_when_admitted``) instead of returning them."""
+WAIT_MARGIN_S = 0.05
+"""A waiting start gives up this long before the caller's deadline, so that the caller
+gets the refusal with its RetryInfo rather than a bare DEADLINE_EXCEEDED."""
 
 __all__ = [  # the command, result and settings types live in their own modules
     "OptionsSpec",
@@ -139,6 +166,11 @@ class SessionRouter:
         replacement notices go."""
         self._refusal = ("SHUTTING_DOWN", "the router is shutting down and takes no new sessions")
         self._stopped = False
+        self.trainer = StalenessGate()
+        """The trainer's version and staleness policy, with the admission counters."""
+        self.weight_update: WeightUpdate | None = None
+        """The weight update in progress, if any (its workers have ``updating_to`` set)."""
+        self._admission_changed = asyncio.Event()
 
     # -- the router's life -----------------------------------------------------------------
 
@@ -189,12 +221,22 @@ class SessionRouter:
             reducer_batches=self.finalizer.batches,
             groups_degenerate=self.finalizer.degenerate,
             feed_cursor=self.feed.last_cursor,
+            workers_updating=sum(1 for w in workers if w.updating_to),
+            worker_versions_distinct=distinct_versions(workers),
+            trainer_version=self.trainer.version,
+            admission_in_flight=self.trainer.in_flight,
+            admission_limit=self.trainer.limit,
         )
 
     # -- workers ---------------------------------------------------------------------------
 
     def register_worker(
-        self, worker_id: str, address: str, capacity: int, labels: Mapping[str, str]
+        self,
+        worker_id: str,
+        address: str,
+        capacity: int,
+        labels: Mapping[str, str],
+        policy_version: int = 0,
     ) -> WorkerRecord:
         limit = self.settings.max_workers
         if len(self.workers) >= limit and self.workers.find(worker_id) is None:
@@ -204,9 +246,16 @@ class SessionRouter:
                 metadata={"workers": len(self.workers), "limit": limit},
             )
         worker, created = self.workers.register(
-            worker_id, address, capacity, labels, self.clock.monotonic(), self.clock.wall()
+            worker_id,
+            address,
+            capacity,
+            labels,
+            self.clock.monotonic(),
+            self.clock.wall(),
+            policy_version,
         )
         self._journal_worker(worker)
+        self._update_progressed()
         log.info(
             "worker %s",
             "registered" if created else "re-registered",
@@ -219,10 +268,15 @@ class SessionRouter:
         )
         return worker
 
-    def heartbeat(self, worker_id: str) -> WorkerRecord:
-        worker, recovered = self.workers.heartbeat(
-            worker_id, self.clock.monotonic(), self.clock.wall()
+    def heartbeat(self, worker_id: str, policy_version: int = 0) -> WorkerRecord:
+        """Records a heartbeat; a new policy version is journaled (heartbeats are not), and
+        the target version of a weight update ends the worker's update."""
+        worker, recovered, changed = self.workers.heartbeat(
+            worker_id, self.clock.monotonic(), self.clock.wall(), policy_version
         )
+        if changed:
+            self._journal_worker(worker)
+            self._update_progressed()
         if recovered:
             log.info(
                 "worker recovered", extra={"event": "worker_recovered", "worker_id": worker_id}
@@ -243,6 +297,7 @@ class SessionRouter:
         worker, lost = self.workers.deregister(worker_id)
         if self.journal is not None:
             self.journal.append(WorkerRemoved(worker_id))
+        self._update_progressed()
         log.info(
             "worker deregistered",
             extra={"event": "worker_deregistered", "worker_id": worker_id, "lost_sessions": lost},
@@ -269,8 +324,159 @@ class SessionRouter:
                     worker.labels,
                     worker.draining,
                     self.clock.wall(),
+                    worker.policy_version,
+                    worker.updating_to,
                 )
             )
+
+    # -- versions, staleness and weight updates --------------------------------------------
+
+    def set_trainer_state(
+        self,
+        version: int,
+        policy: StalenessPolicy | None = None,
+        *,
+        clear_policy: bool = False,
+        reset_counters: bool = False,
+        refuse_mixed_versions: bool | None = None,
+    ) -> StalenessGate:
+        """The trainer reports its version (and optionally its staleness policy); admission
+        reopens at once when the limit grows. Refusals change nothing."""
+        self.trainer.set_state(version, policy, clear_policy, reset_counters, refuse_mixed_versions)
+        self._journal_trainer()
+        self._notify_admission()
+        log.info(
+            "trainer state",
+            extra={
+                "event": "trainer_state",
+                "trainer_version": version,
+                "admission_limit": self.trainer.limit,
+            },
+        )
+        return self.trainer
+
+    def begin_weight_update(
+        self, version: int, worker_ids: Sequence[str], interrupt_sessions: bool
+    ) -> tuple[list[WorkerRecord], int]:
+        """Takes the selected workers (all when none is named) out of placement until they
+        serve ``version``; returns them and how many open sessions were marked interrupted."""
+        chosen = select_for_update(self.workers, version, worker_ids)
+        interrupted = 0
+        for worker in chosen:
+            self.workers.begin_update(worker, version)
+            self._journal_worker(worker)
+            if interrupt_sessions:
+                interrupted += self._interrupt_sessions(worker)
+        self.weight_update = WeightUpdate(version, fleet_wide=not worker_ids)
+        self._journal_trainer()
+        log.info(
+            "weight update begun",
+            extra={
+                "event": "weight_update_begun",
+                "version": version,
+                "workers": len(chosen),
+                "interrupted": interrupted,
+            },
+        )
+        self._update_progressed()
+        return chosen, interrupted
+
+    def complete_weight_update(self, worker_id: str, version: int) -> tuple[WorkerRecord, bool]:
+        """Puts a worker back with its new version; returns it and whether the update is
+        over (no worker left updating)."""
+        worker = self.workers.get(worker_id)
+        self.workers.complete_update(worker, check_completion(worker, version))
+        self._journal_worker(worker)
+        self._update_progressed()
+        return worker, self.weight_update is None
+
+    def _interrupt_sessions(self, worker: WorkerRecord) -> int:
+        count = 0
+        for group_id, index in sorted(worker.open_sessions):
+            group = self.groups.find(group_id)
+            session = self.groups.find_session(group_id, index)
+            if group is None or session is None or session.state is not SessionState.OPEN:
+                continue
+            session.interrupted = True
+            count += 1
+            if self.journal is not None:
+                self.journal.append(SessionInterrupted(group.seq, index))
+        return count
+
+    def _update_progressed(self) -> None:
+        """Ends the update in progress once none of its workers is updating any more."""
+        update = self.weight_update
+        if update is not None and not any(w.updating_to for w in self.workers):
+            self.weight_update = None
+            self._journal_trainer()
+            log.info(
+                "weight update finished",
+                extra={"event": "weight_update_finished", "version": update.version},
+            )
+        self._notify_admission()
+
+    def _journal_trainer(self) -> None:
+        if self.journal is None:
+            return
+        gate, update = self.trainer, self.weight_update
+        self.journal.append(
+            TrainerSaved(
+                gate.version,
+                gate.policy.max_staleness if gate.policy else 0,
+                gate.policy.batch_size if gate.policy else 0,
+                gate.refuse_mixed_versions,
+                gate.started,
+                gate.dropped,
+                gate.epoch,
+                update.version if update else 0,
+                update.fleet_wide if update else False,
+            )
+        )
+
+    def _notify_admission(self) -> None:
+        changed, self._admission_changed = self._admission_changed, asyncio.Event()
+        changed.set()
+
+    def _check_fleet_update(self) -> None:
+        update = self.weight_update
+        if update is not None and update.fleet_wide:
+            raise refuse_during_update(update, self.settings.retry_after_s)
+
+    def _check_admission(self) -> None:
+        """What a start that creates a group must pass beyond placement: no fleet-wide
+        update, the staleness limit, and (by option) a fleet of one version."""
+        self._check_fleet_update()
+        self.trainer.check_admit(self.settings.retry_after_s)
+        if self.trainer.refuse_mixed_versions:
+            versions = distinct_versions(self.workers)
+            if versions > 1:
+                raise FailedPrecondition(
+                    "MIXED_VERSIONS",
+                    f"healthy workers serve {versions} different policy versions; new groups"
+                    " are refused until they agree",
+                    metadata={"distinct_versions": versions},
+                )
+
+    async def start_when_admitted(self, start: Callable[[], _T], timeout_s: float) -> _T:
+        """Calls ``start`` until it is not refused for staleness or a fleet-wide update,
+        waiting for each change of admission, for at most ``timeout_s`` seconds (minus a
+        small margin, so the last refusal reaches the caller before its deadline)."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + timeout_s - WAIT_MARGIN_S
+        while True:
+            changed = self._admission_changed
+            try:
+                return start()
+            except (ResourceExhausted, Unavailable) as error:
+                if error.reason not in WAITABLE_REASONS:
+                    raise
+                remaining = give_up - loop.time()
+                if remaining <= 0:
+                    raise
+                try:
+                    await asyncio.wait_for(changed.wait(), remaining)
+                except TimeoutError:
+                    raise error from None
 
     def _on_worker_lost(self, worker: WorkerRecord, sessions: set[SessionKey]) -> None:
         touched: dict[str, GroupRecord] = {}
@@ -318,6 +524,7 @@ class SessionRouter:
             check_joinable(
                 group, task_id, cmd.group_size, cmd.options, self.settings, cmd.placement_mode
             )
+            self._check_fleet_update()
             self._check_bytes(member_cost(group, metadata))
             session = self._place_member(group, request_id, metadata)
             created = False
@@ -325,6 +532,7 @@ class SessionRouter:
             size = cmd.group_size or 1
             self._check_room(size, task_id, metadata)
             settings = resolve_options(cmd.options, size, self.settings, cmd.placement_mode)
+            self._check_admission()
             group_id = cmd.group_id or uuid.uuid4().hex
             group = self._new_group(group_id, task_id, size, settings)
             try:
@@ -365,6 +573,7 @@ class SessionRouter:
             )
         self._check_room(cmd.group_size, task_id, metadata)
         settings = resolve_options(cmd.options, cmd.group_size, self.settings, cmd.placement_mode)
+        self._check_admission()
         group = self._new_group(cmd.group_id or uuid.uuid4().hex, task_id, cmd.group_size, settings)
         try:
             for _ in range(cmd.group_size):
@@ -456,6 +665,10 @@ class SessionRouter:
         )
 
     def _add_group(self, group: GroupRecord) -> None:
+        group.admitted_version = self.trainer.version
+        group.admission_epoch = self.trainer.admitted()
+        if group.admission_epoch:
+            self._journal_trainer()
         self.groups.add_group(group)
         heapq.heappush(self._deadlines, (group.deadline, group.seq, group.group_id))
         log.debug(
@@ -501,6 +714,9 @@ class SessionRouter:
             metadata=metadata,
             create_time=self.clock.wall(),
             shared_worker=choice.shared,
+            start_version=worker.policy_version,
+            min_version=worker.policy_version,
+            max_version=worker.policy_version,
         )
         if self.groups.find(group.group_id) is group:
             self.groups.member_joined(group, metadata)
@@ -610,24 +826,43 @@ class SessionRouter:
 
     def submit_rewards(
         self,
-        entries: Sequence[tuple[str, float] | tuple[str, float, float]],
+        entries: Entries,
         origin: StreamOrigin | None = None,
     ) -> list[RewardOutcome]:
-        """Records a batch of (session name, reward[, filter metric]); one outcome per
-        entry, in order.
+        """Records a batch of (session name, reward[, filter metric[, min_version,
+        max_version]]); one outcome per entry, in order.
 
         Only ACCEPTED entries change state. A group whose last reward arrives here is
         finished and queued for reduction, and its result is owed to ``origin``."""
-        outcomes = [
-            self._submit_one(e[0], e[1], e[2] if len(e) > 2 else None, origin) for e in entries
-        ]
+        outcomes = [self._submit_entry(entry, origin) for entry in entries]
         counts = self.stats.rewards
         for outcome in outcomes:
             counts[outcome.status] += 1
         return outcomes
 
+    def _submit_entry(self, entry: Entry, origin: StreamOrigin | None) -> RewardOutcome:
+        """One entry: (name, reward[, filter metric[, min_version, max_version]]). Versions
+        of 0 for one side mean the other; both 0 keep the session's start version. The
+        versions are recorded only when the reward is accepted."""
+        name, reward = entry[0], entry[1]
+        metric = entry[2] if len(entry) > 2 else None
+        if len(entry) < 5:
+            return self._submit_one(name, reward, metric, origin)
+        low, high = entry[3] or entry[4], entry[4] or entry[3]
+        if low > high:
+            return RewardOutcome(
+                RewardStatus.INVALID_VERSIONS,
+                f"min_version {low} is above max_version {high}",
+            )
+        return self._submit_one(name, reward, metric, origin, (low, high) if low else None)
+
     def _submit_one(
-        self, name: str, reward: float, metric: float | None, origin: StreamOrigin | None
+        self,
+        name: str,
+        reward: float,
+        metric: float | None,
+        origin: StreamOrigin | None,
+        versions: tuple[int, int] | None = None,
     ) -> RewardOutcome:
         parsed = try_parse_session_name(name)
         session = None if parsed is None else self.groups.find_session(*parsed)
@@ -666,6 +901,10 @@ class SessionRouter:
                 RewardStatus.GROUP_CLOSED,
                 f"group {group.group_id!r} was {group.state.value} without this session",
             )
+        if versions is not None:
+            session.min_version, session.max_version = versions
+            if self.journal is not None:
+                self.journal.append(SessionVersions(group.seq, session.index, *versions))
         session.reward = float(reward)
         session.state = SessionState.REWARDED
         group.rewarded += 1
@@ -715,7 +954,12 @@ class SessionRouter:
         now = self.clock.wall()
         if self.on_group_finished is not None:
             self.on_group_finished(outcome, max(0.0, now - group.create_time))
-        self.finalizer.submit(FinishedGroup(group, outcome, counted, excluded, now, origin))
+        if outcome is GroupOutcome.DROPPED and self.trainer.dropped_one(group.admission_epoch):
+            self._journal_trainer()
+            self._notify_admission()
+        self.finalizer.submit(
+            FinishedGroup(group, outcome, counted, excluded, now, origin, self.trainer.version)
+        )
         log.info(
             "group %s",
             outcome.value,
@@ -736,6 +980,20 @@ class SessionRouter:
         rebuilt = rebuild(
             state, self.workers, self.groups, self.feed, self.clock.monotonic(), self.clock.wall()
         )
+        saved = state.trainer
+        if saved is not None:
+            self.trainer = StalenessGate(
+                version=saved.version,
+                policy=StalenessPolicy(saved.max_staleness, saved.batch_size)
+                if saved.batch_size
+                else None,
+                refuse_mixed_versions=saved.refuse_mixed_versions,
+                started=saved.started,
+                dropped=saved.dropped,
+                epoch=saved.epoch,
+            )
+            if saved.update_version:
+                self.weight_update = WeightUpdate(saved.update_version, saved.update_fleet_wide)
         for group in rebuilt.open_groups:
             heapq.heappush(self._deadlines, (group.deadline, group.seq, group.group_id))
         for group in rebuilt.settled:

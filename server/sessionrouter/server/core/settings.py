@@ -74,3 +74,12 @@ class RouterSnapshot:
     groups_degenerate: int = 0
     """Finalized (not dropped) groups flagged degenerate since start: with the finalized
     count, the degenerate fraction producers use to oversample."""
+    workers_updating: int = 0
+    """Workers in a weight update."""
+    worker_versions_distinct: int = 0
+    """Distinct known policy versions among healthy workers (above 1: a mixed fleet)."""
+    trainer_version: int = 0
+    admission_in_flight: int = 0
+    """Admitted groups counting against the staleness limit."""
+    admission_limit: int = 0
+    """``(v + k + 1) * B``; 0 without a staleness policy."""

@@ -96,8 +96,14 @@ class MemberReplaced:
 
 StreamEvent = RewardAck | GroupResult | MemberReplaced
 
-Entries = Sequence[tuple[str, float] | tuple[str, float, float]]
-"""(session name, reward) or (session name, reward, filter metric) of one request."""
+Entry = (
+    tuple[str, float] | tuple[str, float, float | None] | tuple[str, float, float | None, int, int]
+)
+"""One reward entry: (session name, reward), optionally followed by the filter metric (None:
+none given), optionally followed by the (min_version, max_version) the generation used (0 and
+0: the session's start version)."""
+Entries = Sequence[Entry]
+"""The entries of one request."""
 Submit = Callable[[Entries, "StreamOrigin"], list[RewardOutcome]]
 """Applies one request's entries (``SessionRouter.submit_rewards``)."""
 Commit = Callable[[], Awaitable[None]]

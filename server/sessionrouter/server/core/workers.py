@@ -1,12 +1,13 @@
 """The worker registry: who can take sessions, and how loaded each worker is.
 
-A worker is *eligible* for a new session when it is healthy, not draining and below its
-capacity. Load is ``open_sessions / capacity`` (a fraction, 0.0 to 1.0). The registry keeps a
-lazy min-heap of eligible workers keyed by load, so that finding the least-loaded eligible
-worker costs O(log W) amortised instead of a scan over all W workers on every StartSession:
-every change of a worker bumps its version and pushes a fresh heap entry; entries whose version
-is stale, or whose worker is no longer eligible, are discarded when they reach the top. The heap
-is rebuilt when stale entries outnumber live ones, which bounds its size to O(W).
+A worker is *eligible* for a new session when it is healthy, not draining, not in a weight
+update and below its capacity. Load is ``open_sessions / capacity`` (a fraction, 0.0 to 1.0).
+The registry keeps a lazy min-heap of eligible workers keyed by load, so that finding the
+least-loaded eligible worker costs O(log W) amortised instead of a scan over all W workers on
+every StartSession: every change of a worker bumps its version and pushes a fresh heap entry;
+entries whose version is stale, or whose worker is no longer eligible, are discarded when they
+reach the top. The heap is rebuilt when stale entries outnumber live ones, which bounds its
+size to O(W).
 
 Groups may restrict placement to workers carrying some labels (a *selector*). Each distinct
 selector in use gets its own ``WorkerPool``: the same lazy heap, plus the count and capacity
@@ -14,7 +15,9 @@ of its eligible workers, built by one O(W) scan on first use and kept in step wi
 change afterwards (a change visits each pool once, O(P log W) for P pools; at most
 ``MAX_POOLS`` selectors are kept, the least recently used one is dropped beyond that and
 rebuilt when needed again). So a selector that matches thousands of workers still finds its
-least-loaded eligible worker in O(log W), never by a scan.
+least-loaded eligible worker in O(log W), never by a scan. Every placement mode (SPREAD,
+STRICT, PACK, a replacement member) draws from these pools, so a worker in a weight update
+gets no new session in any of them.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import heapq
 from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from sessionrouter.server.core.errors import AlreadyExists, NotFound
+from sessionrouter.server.core.errors import AlreadyExists, FailedPrecondition, NotFound
 from sessionrouter.server.core.validation import (
     ADDRESS_MAX_LEN,
     LABEL_VALUE_MAX_LEN,
@@ -60,6 +63,11 @@ class WorkerRecord:
     """The same moment as Unix seconds, for display."""
     open_sessions: set[SessionKey] = field(default_factory=set)
     version: int = 0
+    """Change counter of the least-loaded index (not the policy version)."""
+    policy_version: int = 0
+    """The policy (weight) version the worker reports serving; 0 is unknown."""
+    updating_to: int = 0
+    """Non-zero while the worker is in a weight update to this policy version."""
     awaiting_heartbeat: bool = False
     """Restored from a journal and not heard from since: unhealthy, and its open sessions are
     marked lost if no heartbeat comes within the timeout (they may well be running: a router
@@ -73,7 +81,12 @@ class WorkerRecord:
     @property
     def eligible(self) -> bool:
         """True when the worker may take one more session."""
-        return self.healthy and not self.draining and len(self.open_sessions) < self.capacity
+        return (
+            self.healthy
+            and not self.draining
+            and not self.updating_to
+            and len(self.open_sessions) < self.capacity
+        )
 
 
 _HeapEntry = tuple[float, int, str, int]
@@ -200,8 +213,12 @@ class WorkerRegistry:
         labels: Mapping[str, str],
         now: float,
         now_wall: float,
+        policy_version: int = 0,
     ) -> tuple[WorkerRecord, bool]:
         """Adds a worker or refreshes one; returns (worker, created).
+
+        ``policy_version`` 0 keeps the version held; a lower one than held is refused
+        (FailedPrecondition) before anything changes, as is a conflicting address.
 
         Registering again with the same address is an update (capacity, labels) and counts
         as a heartbeat; another address under the same id is AlreadyExists, because two live
@@ -219,9 +236,12 @@ class WorkerRegistry:
                 " deregister it first",
                 metadata={"worker_id": worker_id, "address": worker.address},
             )
+        if worker is not None:
+            check_version_forward(worker, policy_version)
         created = worker is None
         if worker is None:
             worker = WorkerRecord(worker_id, address, capacity, labels)
+            self._take_version(worker, policy_version)
             self._workers[worker_id] = worker
             self._changed(worker, False, labels, capacity)
         else:
@@ -230,6 +250,7 @@ class WorkerRegistry:
             worker.capacity = capacity
             worker.labels = labels
             worker.healthy = True
+            self._take_version(worker, policy_version)
             self._changed(worker, was_eligible, old_labels, old_capacity)
         worker.healthy = True
         worker.awaiting_heartbeat = False
@@ -246,6 +267,8 @@ class WorkerRegistry:
         draining: bool,
         now: float,
         seen_wall: float,
+        policy_version: int = 0,
+        updating_to: int = 0,
     ) -> WorkerRecord:
         """Adds a worker read back from a journal: unhealthy until it heartbeats (or
         registers) again, so that no session goes to a worker that may be gone; its drain
@@ -259,24 +282,59 @@ class WorkerRegistry:
             draining=draining,
             last_heartbeat=now,
             last_heartbeat_wall=seen_wall,
+            policy_version=policy_version,
+            updating_to=updating_to,
             awaiting_heartbeat=True,
         )
         self._workers[worker_id] = worker
         return worker
 
-    def heartbeat(self, worker_id: str, now: float, now_wall: float) -> tuple[WorkerRecord, bool]:
-        """Records a heartbeat; returns (worker, recovered) where recovered means it had
-        been unhealthy."""
+    def heartbeat(
+        self, worker_id: str, now: float, now_wall: float, policy_version: int = 0
+    ) -> tuple[WorkerRecord, bool, bool]:
+        """Records a heartbeat; returns (worker, recovered, version_changed) where recovered
+        means it had been unhealthy. A version lower than held is refused before anything is
+        recorded; the target version of the worker's weight update (or a newer one) ends
+        the update."""
         worker = self.get(worker_id)
+        check_version_forward(worker, policy_version)
         recovered = not worker.healthy
         worker.last_heartbeat = now
         worker.last_heartbeat_wall = now_wall
         worker.awaiting_heartbeat = False
+        was_eligible = worker.eligible
+        changed = self._take_version(worker, policy_version)
         if recovered:
-            was_eligible = worker.eligible
             worker.healthy = True
+        if recovered or changed:
             self._changed(worker, was_eligible)
-        return worker, recovered
+        return worker, recovered, changed
+
+    def _take_version(self, worker: WorkerRecord, policy_version: int) -> bool:
+        """Records a reported version (0: none reported); returns True when the worker's
+        policy version or update state changed."""
+        if not policy_version or policy_version == worker.policy_version:
+            if worker.updating_to and policy_version >= worker.updating_to:
+                worker.updating_to = 0
+                return True
+            return False
+        worker.policy_version = policy_version
+        if worker.updating_to and policy_version >= worker.updating_to:
+            worker.updating_to = 0
+        return True
+
+    def begin_update(self, worker: WorkerRecord, target: int) -> None:
+        """Takes a worker out of placement until it serves ``target``."""
+        was_eligible = worker.eligible
+        worker.updating_to = target
+        self._changed(worker, was_eligible)
+
+    def complete_update(self, worker: WorkerRecord, version: int) -> None:
+        """Puts a worker back with its new version (checked by the caller)."""
+        was_eligible = worker.eligible
+        worker.policy_version = version
+        worker.updating_to = 0
+        self._changed(worker, was_eligible)
 
     def set_draining(self, worker_id: str, draining: bool) -> WorkerRecord:
         """Drains a worker (no new sessions) or returns it to service."""
@@ -415,3 +473,20 @@ class WorkerRegistry:
 
 def _last_use(pool: WorkerPool) -> int:
     return pool.last_use
+
+
+def check_version_forward(worker: WorkerRecord, policy_version: int) -> None:
+    """Refuses a reported policy version lower than the one ``worker`` holds (0 reports
+    nothing): a worker serving older weights than it said would make every version stamped
+    since a lie."""
+    if policy_version and policy_version < worker.policy_version:
+        raise FailedPrecondition(
+            "VERSION_BACKWARDS",
+            f"worker {worker.worker_id!r} serves policy version {worker.policy_version};"
+            f" it cannot go back to {policy_version}",
+            metadata={
+                "worker_id": worker.worker_id,
+                "held": worker.policy_version,
+                "got": policy_version,
+            },
+        )

@@ -7,7 +7,13 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
-from sessionrouter.server.journal.schema import GROUP_RESULT_COLUMNS, GROUPS, REQUESTS, SESSIONS
+from sessionrouter.server.journal.schema import (
+    GROUP_RESULT_COLUMNS,
+    GROUPS,
+    REQUESTS,
+    SESSIONS,
+    Table,
+)
 
 
 def marks(n: int) -> str:
@@ -60,18 +66,25 @@ def _update(table: str, sets: Sequence[str], keys: Sequence[str]) -> str:
     return f"UPDATE {table} SET {assign} FROM (VALUES {{values}}) AS v WHERE {match}"
 
 
+def _insert(table: Table, verb: str = "INSERT") -> str:
+    """``INSERT INTO table (columns) SELECT * FROM (VALUES ...)``: the columns are named, so
+    that a table upgraded by ``ADD COLUMN`` (its new columns last in the file) takes the rows
+    as one created with this version's DDL does."""
+    return (
+        f"{verb} INTO {table.name} ({table.select()})"
+        " SELECT * FROM (VALUES {values}) WHERE column1 IS NOT NULL"
+    )
+
+
 def bulk_statements(con: sqlite3.Connection) -> dict[str, Bulk]:
     """The statements ``apply`` runs, keyed by what they apply; widths follow the schema.
     NULL padding rows match nothing (``IS NOT NULL`` for inserts, ``=`` for updates)."""
-    insert = "INSERT INTO {table} SELECT * FROM (VALUES {{values}}) WHERE column1 IS NOT NULL"
     member = ("group_seq", "idx")
     result = GROUP_RESULT_COLUMNS
     return {
-        "groups": Bulk(con, insert.format(table="groups"), GROUPS.width),
-        "sessions": Bulk(con, insert.format(table="sessions"), SESSIONS.width),
-        "requests": Bulk(
-            con, "INSERT OR REPLACE" + insert.format(table="requests")[6:], REQUESTS.width
-        ),
+        "groups": Bulk(con, _insert(GROUPS), GROUPS.width),
+        "sessions": Bulk(con, _insert(SESSIONS), SESSIONS.width),
+        "requests": Bulk(con, _insert(REQUESTS, "INSERT OR REPLACE"), REQUESTS.width),
         # (group_seq, idx, reward): the key first, as the fold builds them.
         "rewards": Bulk(
             con,
@@ -99,4 +112,16 @@ def bulk_statements(con: sqlite3.Connection) -> dict[str, Bulk]:
             len(member),
         ),
         "finals": Bulk(con, _update("groups", result, ("seq",)), len(result) + 1),
+        # (min_version, max_version, group_seq, idx)
+        "versions": Bulk(
+            con,
+            _update("sessions", ("min_version", "max_version"), member),
+            len(member) + 2,
+        ),
+        "interrupted": Bulk(
+            con,
+            "UPDATE sessions SET interrupted = 1 FROM (VALUES {values}) AS v"
+            " WHERE sessions.group_seq = v.column1 AND sessions.idx = v.column2",
+            len(member),
+        ),
     }

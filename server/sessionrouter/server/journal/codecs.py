@@ -76,6 +76,9 @@ def result_columns(ev: GroupFinalized) -> tuple[Any, ...]:
         r.finalize_time,
         floats_bytes(r.filter_metrics),
         indices_bytes(ev.replaced),
+        r.min_version,
+        r.max_version,
+        r.trainer_version,
     )
 
 
@@ -96,6 +99,9 @@ def result_from_columns(
         finalized,
         metrics,
         replaced,
+        min_version,
+        max_version,
+        trainer_version,
     ) = columns
     gid = created.group_id
     indices = np.frombuffer(counted, INDICES).tolist()
@@ -120,5 +126,9 @@ def result_from_columns(
         replaced_sessions=tuple(
             session_name(gid, i) for i in np.frombuffer(replaced, INDICES).tolist()
         ),
+        min_version=int(min_version),
+        max_version=int(max_version),
+        trainer_version=int(trainer_version),
+        admitted_version=int(created.admitted_version),
     )
     return result, indices

@@ -30,8 +30,11 @@ from sessionrouter.server.core.events import (
     RequestSaved,
     RewardSaved,
     SessionAborted,
+    SessionInterrupted,
     SessionLost,
     SessionStarted,
+    SessionVersions,
+    TrainerSaved,
     WorkerRemoved,
     WorkerSaved,
 )
@@ -41,13 +44,29 @@ from sessionrouter.server.journal.schema import (
     GROUP_CREATED_COLUMNS,
     GROUP_RESULT_START,
     SESSION_FILTER_METRIC,
+    SESSION_INTERRUPTED,
+    SESSION_MAX_VERSION,
+    SESSION_MIN_VERSION,
     SESSION_REWARD,
     SESSION_STATE,
     SESSION_WORKER_LOST,
+    TRAINER_KEYS,
 )
 
 if GroupCreated._fields != GROUP_CREATED_COLUMNS:  # pragma: no cover
     raise AssertionError("GroupCreated's fields must be the leading columns of groups")
+if TrainerSaved._fields != (
+    "version",
+    "max_staleness",
+    "batch_size",
+    "refuse_mixed_versions",
+    "started",
+    "dropped",
+    "epoch",
+    "update_version",
+    "update_fleet_wide",
+) or len(TRAINER_KEYS) != len(TrainerSaved._fields):  # pragma: no cover
+    raise AssertionError("TrainerSaved's fields must match the trainer keys of meta")
 
 MEMBER_KEY = 1 << 16
 """seq * MEMBER_KEY + index identifies a member (indices are below MAX_GROUP_SIZE)."""
@@ -72,6 +91,11 @@ class RowChanges:
     metrics: list[tuple[int, int, float]] = field(default_factory=list)
     """(group_seq, idx, filter metric) to set on sessions inserted by an earlier fold."""
     lost: list[tuple[int, int]] = field(default_factory=list)
+    versions: list[tuple[int, int, int, int]] = field(default_factory=list)
+    """(min_version, max_version, group_seq, idx) to set on sessions of an earlier fold."""
+    interrupted: list[tuple[int, int]] = field(default_factory=list)
+    trainer: TrainerSaved | None = None
+    """The last trainer state of the fold, if it changed."""
     requests: list[tuple[str, int, int | None, str]] = field(default_factory=list)
     """Rows of ``requests`` to insert or replace."""
     workers: dict[str, WorkerSaved | None] = field(default_factory=dict)
@@ -118,6 +142,10 @@ def fold(
                 None,
                 None,
                 ev.replaces,
+                ev.start_version,
+                ev.start_version,
+                ev.start_version,
+                0,
             ]
         elif isinstance(ev, GroupCreated):
             new_groups[ev.seq] = [*ev, "open", 0, *NO_RESULT]
@@ -154,6 +182,22 @@ def fold(
                 changes.lost.append(key)
             else:
                 session[SESSION_WORKER_LOST] = 1
+        elif isinstance(ev, SessionVersions):
+            session = new_sessions.get((ev.group_seq, ev.idx))
+            if session is None:
+                changes.versions.append((ev.min_version, ev.max_version, ev.group_seq, ev.idx))
+            else:
+                session[SESSION_MIN_VERSION] = ev.min_version
+                session[SESSION_MAX_VERSION] = ev.max_version
+        elif isinstance(ev, SessionInterrupted):
+            key = (ev.group_seq, ev.idx)
+            session = new_sessions.get(key)
+            if session is None:
+                changes.interrupted.append(key)
+            else:
+                session[SESSION_INTERRUPTED] = 1
+        elif isinstance(ev, TrainerSaved):
+            changes.trainer = ev
         elif isinstance(ev, WorkerSaved):
             changes.workers[ev.worker_id] = ev
         elif isinstance(ev, WorkerRemoved):

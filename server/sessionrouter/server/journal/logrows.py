@@ -21,12 +21,20 @@ from sessionrouter.server.core.events import (
     RequestSaved,
     RewardSaved,
     SessionAborted,
+    SessionInterrupted,
     SessionLost,
     SessionStarted,
+    SessionVersions,
+    TrainerSaved,
     WorkerRemoved,
     WorkerSaved,
 )
 from sessionrouter.server.journal.codecs import result_columns
+from sessionrouter.server.journal.schema import GROUP_RESULT_COLUMNS
+
+RESULT_COLUMNS_ADDED = (0, 0, 0)
+"""Defaults of the result columns version 4 added (min_version, max_version,
+trainer_version): what a version 3 ``Finalized`` lacks."""
 
 
 class Finalized(NamedTuple):
@@ -55,6 +63,9 @@ TAG_CLASSES: dict[int, type[Any]] = {
     8: SessionLost,
     9: Finalized,
     10: FilterMetricSaved,
+    11: SessionVersions,
+    12: SessionInterrupted,
+    13: TrainerSaved,
 }
 """Stable numbers of the event kinds in ``log`` (part of the schema: never renumber)."""
 TAGS = {cls: tag for tag, cls in TAG_CLASSES.items()}
@@ -104,13 +115,28 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"log entries hold plain values, not {module}.{name}")
 
 
+def _event(entry: tuple[Any, ...]) -> LoggedEvent:
+    """One tagged event. An event written by schema version 3 has fewer fields: the fields
+    added since are at the end and take their defaults (the constructor's; for the result
+    columns of ``Finalized``, ``RESULT_COLUMNS_ADDED``)."""
+    cls = TAG_CLASSES[entry[0]]
+    if cls is Finalized:
+        group_seq, columns = entry[1:]
+        missing = len(GROUP_RESULT_COLUMNS) - len(columns)
+        if 0 < missing <= len(RESULT_COLUMNS_ADDED):
+            columns = (*columns, *RESULT_COLUMNS_ADDED[-missing:])
+        return Finalized(group_seq, tuple(columns))
+    event: LoggedEvent = cls(*entry[1:])
+    return event
+
+
 def decode_batch(data: bytes) -> Batch:
     """A ``log`` row back as a batch; UnpicklingError, ValueError or KeyError when it is not
-    one this version wrote."""
+    one this version (or version 3) wrote."""
     tagged, seqs, idxs, values = _PlainUnpickler(io.BytesIO(data)).load()
     if not len(seqs) == len(idxs) == len(values):
         raise ValueError("reward columns of different lengths")
     batch = Batch()
-    batch.events = [TAG_CLASSES[entry[0]](*entry[1:]) for entry in tagged]
+    batch.events = [_event(entry) for entry in tagged]
     batch.seqs, batch.idxs, batch.values = list(seqs), list(idxs), [float(v) for v in values]
     return batch

@@ -7,10 +7,14 @@ column is added in one place. Any change of a table, of a column's meaning or of
 row format (``logrows``) bumps ``SCHEMA_VERSION``: a journal of another version is refused at
 start-up, never silently reset or reinterpreted.
 
-Tables (version 3)::
+Tables (version 4)::
 
     meta(key, value)            schema_version, created, last_cursor, next_seq,
-                                compacted_cursor, events, journal_id (since 3)
+                                compacted_cursor, events, journal_id (since 3), and the
+                                trainer state (since 4): trainer_version, max_staleness,
+                                batch_size (0: no staleness policy), refuse_mixed_versions,
+                                admission_started, admission_dropped, admission_epoch,
+                                update_version (0: no weight update), update_fleet_wide
     workers                     one row per registered worker
     groups                      one row per group; ``cursor > 0`` exactly when finalized or
                                 dropped, and then the result columns are set: counted and
@@ -24,14 +28,19 @@ Tables (version 3)::
 
 Times are Unix seconds (REAL); ``deadline_wall`` is stored rather than a monotonic deadline so
 that deadlines keep counting while the router is down. Maps (labels, metadata) and request
-fingerprints are compact JSON.
+fingerprints are compact JSON. Policy versions are INTEGER, 0 for unknown.
+
+Every statement names its columns (inserts included), so the order of the columns in the file
+does not matter: a journal upgraded by ``ALTER TABLE ... ADD COLUMN`` (which appends) and one
+created with the DDL below are read and written alike. The columns a version added are listed
+in ``ADDED_IN``; their SQL types carry the default an upgrade fills in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Bumped on any change of the tables, of what a column means, or of the log-row format.
 
 Version 2 added ``groups.placement`` (the group's placement policy),
@@ -43,7 +52,16 @@ groups are better finished by the router version that wrote it than guessed.
 
 Version 3 added ``journal_id`` to ``meta`` (the id ``IDENTITY`` names too, see
 ``integrity``). A version 2 journal is upgraded in place at start-up by giving it one (nothing
-else changed); version 1 is still refused."""
+else changed).
+
+Version 4 added the policy versions (``ADDED_IN[4]``: workers, sessions, groups and their
+results), the interrupted mark of sessions, the trainer state in ``meta`` (``TRAINER_KEYS``)
+and the ``SessionVersions``, ``SessionInterrupted`` and ``TrainerSaved`` log events. A version
+3 journal (and a version 2 one, through 3) is upgraded in place at start-up, in one
+transaction: the new columns are added with their defaults (version 0, unknown; not
+interrupted; groups not counted by the staleness limit) and the trainer keys with theirs (no
+trainer version, no policy, no update). Log rows of version 3 read back with the same defaults.
+Version 1 is still refused."""
 APPLICATION_ID = 0x53524A31
 """``PRAGMA application_id`` of a journal ("SRJ1"): tells our file from any other SQLite file."""
 JOURNAL_FILE = "journal.db"
@@ -99,7 +117,28 @@ def _columns(*specs: str) -> tuple[Column, ...]:
 
 
 META = Table("meta", _columns("key TEXT", "value"), key=("key",))
-META_KEYS = ("schema_version", "created", "last_cursor", "next_seq", "compacted_cursor", "events")
+TRAINER_KEYS = (
+    "trainer_version",
+    "max_staleness",
+    "batch_size",
+    "refuse_mixed_versions",
+    "admission_started",
+    "admission_dropped",
+    "admission_epoch",
+    "update_version",
+    "update_fleet_wide",
+)
+"""The ``meta`` keys of the trainer state: the fields of ``core.events.TrainerSaved``, in
+order (a unit test holds the two together)."""
+META_KEYS = (
+    "schema_version",
+    "created",
+    "last_cursor",
+    "next_seq",
+    "compacted_cursor",
+    "events",
+    *TRAINER_KEYS,
+)
 
 WORKERS = Table(
     "workers",
@@ -110,6 +149,8 @@ WORKERS = Table(
         "labels TEXT NOT NULL",  # JSON object
         "draining INTEGER NOT NULL",
         "seen_wall REAL NOT NULL",
+        "policy_version INTEGER NOT NULL DEFAULT 0",
+        "updating_to INTEGER NOT NULL DEFAULT 0",  # 0: not in a weight update
     ),
     key=("worker_id",),
 )
@@ -128,6 +169,8 @@ GROUP_CREATED_COLUMNS = (
     "create_time",
     "deadline_wall",
     "placement",
+    "admitted_version",
+    "admission_epoch",
 )
 """The leading columns of ``groups``: the fields of ``core.events.GroupCreated``, in order
 (a unit test holds the two together)."""
@@ -145,6 +188,9 @@ GROUP_RESULT_COLUMNS = (
     "finalize_time",
     "filter_metrics",
     "replaced",
+    "min_version",
+    "max_version",
+    "trainer_version",
 )
 """The trailing columns of ``groups``: what a finalization sets (``state`` and ``cursor`` first)."""
 
@@ -164,6 +210,8 @@ GROUPS = Table(
         "create_time REAL NOT NULL",
         "deadline_wall REAL NOT NULL",
         "placement TEXT NOT NULL",  # JSON of the placement policy; "" for the default
+        "admitted_version INTEGER NOT NULL DEFAULT 0",
+        "admission_epoch INTEGER NOT NULL DEFAULT 0",  # 0: not counted by the staleness limit
         "state TEXT NOT NULL",  # open, finalized or dropped
         "cursor INTEGER NOT NULL",  # 0 while open
         "outcome TEXT",
@@ -177,6 +225,9 @@ GROUPS = Table(
         "finalize_time REAL",
         "filter_metrics BLOB",  # float64 little-endian, aligned with counted; empty if none
         "replaced BLOB",  # uint16 little-endian member indices
+        "min_version INTEGER DEFAULT 0",
+        "max_version INTEGER DEFAULT 0",
+        "trainer_version INTEGER DEFAULT 0",
     ),
     key=("seq",),
     without_rowid=False,
@@ -198,6 +249,10 @@ SESSIONS = Table(
         "reward REAL",
         "filter_metric REAL",
         "replaces INTEGER NOT NULL",  # index of the member this one replaces, or -1
+        "start_version INTEGER NOT NULL DEFAULT 0",
+        "min_version INTEGER NOT NULL DEFAULT 0",
+        "max_version INTEGER NOT NULL DEFAULT 0",
+        "interrupted INTEGER NOT NULL DEFAULT 0",
     ),
     key=("group_seq", "idx"),
 )
@@ -222,6 +277,25 @@ LOG = Table(
 
 TABLES = (META, WORKERS, GROUPS, SESSIONS, REQUESTS, LOG)
 
+ADDED_IN: dict[int, dict[str, tuple[str, ...]]] = {
+    4: {
+        "workers": ("policy_version", "updating_to"),
+        "groups": (
+            "admitted_version",
+            "admission_epoch",
+            "min_version",
+            "max_version",
+            "trainer_version",
+        ),
+        "sessions": ("start_version", "min_version", "max_version", "interrupted"),
+    },
+}
+"""Columns a version added to tables of the version before, by table: an upgrade adds them
+with ``ALTER TABLE ... ADD COLUMN`` and the SQL type (and default) of ``TABLES``."""
+TRAINER_DEFAULTS = (0, 0, 0, 0, 0, 0, 0, 0, 0)
+"""The values of ``TRAINER_KEYS`` in a journal without a trainer state (no version, no
+policy, counters at zero, no weight update)."""
+
 INDEXES = (
     "CREATE INDEX groups_by_cursor ON groups (cursor) WHERE cursor > 0",
     "CREATE INDEX requests_by_group ON requests (group_seq)",
@@ -232,6 +306,9 @@ SESSION_STATE = SESSIONS.pos("state")
 SESSION_WORKER_LOST = SESSIONS.pos("worker_lost")
 SESSION_REWARD = SESSIONS.pos("reward")
 SESSION_FILTER_METRIC = SESSIONS.pos("filter_metric")
+SESSION_MIN_VERSION = SESSIONS.pos("min_version")
+SESSION_MAX_VERSION = SESSIONS.pos("max_version")
+SESSION_INTERRUPTED = SESSIONS.pos("interrupted")
 GROUP_RESULT_START = GROUPS.pos(GROUP_RESULT_COLUMNS[0])
 GROUP_CURSOR = GROUPS.pos("cursor")
 
@@ -242,3 +319,13 @@ if GROUPS.names != GROUP_CREATED_COLUMNS + GROUP_RESULT_COLUMNS:  # pragma: no c
 def ddl() -> tuple[str, ...]:
     """The statements that create an empty journal of this version."""
     return (*(t.ddl() for t in TABLES), *INDEXES)
+
+
+def upgrade_to_4() -> tuple[str, ...]:
+    """The statements that add version 4's columns to the tables of a version 3 journal."""
+    statements = []
+    for table in TABLES:
+        for name in ADDED_IN[4].get(table.name, ()):
+            column = table.columns[table.pos(name)]
+            statements.append(f"ALTER TABLE {table.name} ADD COLUMN {name} {column.sql_type}")
+    return tuple(statements)

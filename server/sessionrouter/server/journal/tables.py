@@ -28,6 +28,7 @@ from sessionrouter.server.core.events import (
     GroupRow,
     RecoveredState,
     RequestSaved,
+    TrainerSaved,
     WorkerSaved,
 )
 from sessionrouter.server.core.groups import SessionRecord, SessionState
@@ -59,8 +60,11 @@ from sessionrouter.server.journal.schema import (
     REQUESTS,
     SCHEMA_VERSION,
     SESSIONS,
+    TRAINER_DEFAULTS,
+    TRAINER_KEYS,
     WORKERS,
     ddl,
+    upgrade_to_4,
 )
 
 log = logging.getLogger("sessionrouter.journal")
@@ -70,6 +74,7 @@ WAL_SIZE_LIMIT = 16 * 1024 * 1024
 say) does not leave a huge WAL file behind for good."""
 _SESSION_STATES = {state.value: state for state in SessionState}
 _BATCH_STD = GROUPS.pos("batch_std")
+_BOOL_KEYS = frozenset({"refuse_mixed_versions", "update_fleet_wide"})
 
 
 class SyncMode(enum.Enum):
@@ -111,6 +116,13 @@ class JournalTables:
         self.next_seq = int(meta["next_seq"])
         self.compacted_cursor = int(meta["compacted_cursor"])
         self.events = int(meta["events"])
+        self.trainer: TrainerSaved | None = (
+            TrainerSaved._make(
+                bool(meta[k]) if k in _BOOL_KEYS else int(meta[k]) for k in TRAINER_KEYS
+            )
+            if any(meta[k] for k in TRAINER_KEYS)
+            else None
+        )
         try:
             self._check_identity(str(meta.get("journal_id", "")))
         except BaseException:
@@ -245,6 +257,7 @@ class JournalTables:
                 ("compacted_cursor", 0),
                 ("events", 0),
                 ("journal_id", identity.journal_id),
+                *((key, 0) for key in TRAINER_KEYS),
             ],
         )
         con.execute(f"PRAGMA application_id={APPLICATION_ID}")
@@ -267,8 +280,8 @@ class JournalTables:
                 f"written by a newer sessionrouter (schema version {version}; this one reads"
                 f" version {SCHEMA_VERSION}): upgrade the router, it was not reset",
             )
-        if version == SCHEMA_VERSION - 1:
-            self._upgrade_from_2(con)
+        if version in (2, 3):
+            self._upgrade(con, version)
             return
         if version != SCHEMA_VERSION:
             raise JournalError(
@@ -277,17 +290,42 @@ class JournalTables:
                 f" {SCHEMA_VERSION}) and was not converted",
             )
 
-    def _upgrade_from_2(self, con: sqlite3.Connection) -> None:
-        """Version 2 differs only by having no journal id: give it one (IDENTITY follows
-        from it)."""
-        journal_id = self._identity.journal_id if self._identity else new_identity().journal_id
-        con.execute("BEGIN IMMEDIATE")
-        con.execute("INSERT OR REPLACE INTO meta VALUES ('journal_id', ?)", (journal_id,))
-        con.execute("UPDATE meta SET value=? WHERE key='schema_version'", (SCHEMA_VERSION,))
-        con.execute("COMMIT")
+    def _upgrade(self, con: sqlite3.Connection, version: int) -> None:
+        """Brings a version 2 or 3 journal to this version in one transaction (all or
+        nothing): version 3 gave it a journal id (IDENTITY follows from it); version 4 adds
+        the policy-version columns with their defaults and the trainer keys of ``meta``. The
+        events and COMMITTED are untouched: an upgrade is no event."""
+        try:
+            con.execute("BEGIN IMMEDIATE")
+            if version < 3:
+                journal_id = (
+                    self._identity.journal_id if self._identity else new_identity().journal_id
+                )
+                con.execute("INSERT OR REPLACE INTO meta VALUES ('journal_id', ?)", (journal_id,))
+            for statement in upgrade_to_4():
+                con.execute(statement)
+            con.executemany(
+                "INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)",
+                zip(TRAINER_KEYS, TRAINER_DEFAULTS, strict=True),
+            )
+            con.execute("UPDATE meta SET value=? WHERE key='schema_version'", (SCHEMA_VERSION,))
+            con.execute("COMMIT")
+        except sqlite3.Error as exc:
+            with contextlib.suppress(sqlite3.Error):
+                con.execute("ROLLBACK")
+            raise JournalError(
+                self.path,
+                f"schema version {version} could not be upgraded to {SCHEMA_VERSION} ({exc});"
+                " it was left as it was",
+            ) from None
         log.info(
             "journal upgraded",
-            extra={"event": "journal_upgraded", "path": str(self.path), "from": 2, "to": 3},
+            extra={
+                "event": "journal_upgraded",
+                "path": str(self.path),
+                "from": version,
+                "to": SCHEMA_VERSION,
+            },
         )
 
     def _meta(self) -> dict[str, Any]:
@@ -355,8 +393,8 @@ class JournalTables:
     def _load(self) -> RecoveredState:
         con = self._con
         workers = [
-            WorkerSaved(w, a, int(c), load_map(labels), bool(d), float(seen))
-            for w, a, c, labels, d, seen in con.execute(
+            WorkerSaved(w, a, int(c), load_map(labels), bool(d), float(seen), int(pv), int(up))
+            for w, a, c, labels, d, seen, pv, up in con.execute(
                 f"SELECT {WORKERS.select()} FROM workers ORDER BY worker_id"
             )
         ]
@@ -393,6 +431,10 @@ class JournalTables:
             reward,
             metric,
             replaces,
+            start_version,
+            min_version,
+            max_version,
+            interrupted,
         ) in con.execute(f"SELECT {SESSIONS.select()} FROM sessions ORDER BY group_seq, idx"):
             if seq != current_seq:
                 current, current_seq = groups.get(seq), seq
@@ -421,6 +463,10 @@ class JournalTables:
                     reward,
                     metric,
                     replaces,
+                    start_version=start_version,
+                    min_version=min_version,
+                    max_version=max_version,
+                    interrupted=bool(interrupted),
                 )
             )
         expected = list(range(self.compacted_cursor + 1, self.last_cursor + 1))
@@ -451,6 +497,7 @@ class JournalTables:
             last_cursor=self.last_cursor,
             next_seq=self.next_seq,
             events=self.events,
+            trainer=self.trainer,
         )
 
     # -- writing -----------------------------------------------------------------------------
@@ -484,12 +531,15 @@ class JournalTables:
             bulk["metrics"].run(con, changes.metrics)
             bulk["finals"].run(con, [(*columns, seq) for seq, columns in changes.finals.items()])
             bulk["requests"].run(con, changes.requests)
+            bulk["versions"].run(con, changes.versions)
+            bulk["interrupted"].run(con, changes.interrupted)
             for worker_id, saved in changes.workers.items():  # rare: one statement each
                 if saved is None:
                     con.execute("DELETE FROM workers WHERE worker_id=?", (worker_id,))
                 else:
                     con.execute(
-                        f"INSERT OR REPLACE INTO workers VALUES ({marks(WORKERS.width)})",
+                        f"INSERT OR REPLACE INTO workers ({WORKERS.select()})"
+                        f" VALUES ({marks(WORKERS.width)})",
                         (
                             saved.worker_id,
                             saved.address,
@@ -497,8 +547,18 @@ class JournalTables:
                             dump_map(saved.labels),
                             int(saved.draining),
                             saved.seen_wall,
+                            saved.policy_version,
+                            saved.updating_to,
                         ),
                     )
+            if changes.trainer is not None:
+                con.executemany(
+                    "UPDATE meta SET value=? WHERE key=?",
+                    [
+                        (int(value), key)
+                        for key, value in zip(TRAINER_KEYS, changes.trainer, strict=True)
+                    ],
+                )
             con.execute(
                 "UPDATE meta SET value = CASE key WHEN 'events' THEN ? WHEN 'last_cursor' THEN ?"
                 " ELSE ? END WHERE key IN ('events', 'last_cursor', 'next_seq')",
@@ -516,6 +576,8 @@ class JournalTables:
         self.events = events
         self.last_cursor = changes.last_cursor
         self.next_seq = changes.next_seq
+        if changes.trainer is not None:
+            self.trainer = changes.trainer
         return carried_id
 
     def compact(self, upto_cursor: int) -> int:

@@ -1,0 +1,157 @@
+"""Staleness-bounded admission: the trainer's version, its policy and the admission counters.
+
+Online RL trainers are asynchronous: rollouts run while the trainer updates the policy, so the
+trainer bounds how stale its data is. With a policy of ``max_staleness`` k and ``batch_size`` B
+(groups the trainer consumes per step), a new group is admitted only while
+
+    started - dropped < (v + k + 1) * B
+
+where v is the trainer's version and ``started`` counts the groups admitted since the policy
+was set (finished, running and waiting), ``dropped`` those of them dropped since: the rule
+AReaL applies to its own rollouts.
+
+Guarantee. Number the non-dropped admitted groups 0, 1, 2... in admission order; group n was
+admitted at a trainer version v_s with n < (v_s + k + 1) * B. A trainer that consumes B groups
+per step in that order consumes group n at version v = n // B, so v * B <= n and hence
+v < v_s + k + 1, that is v_s >= v - k. Groups that finish out of order can arrive later than
+that; the feed's ``min_version`` filter skips them and counts them. No deadlock: while
+admission is closed, at least (k + 1) * B admitted groups are neither consumed nor dropped, so
+the trainer's next B groups are on their way, and every group ends (its deadline finalizes or
+drops it; a drop reopens one slot).
+
+Joins of an existing group are never refused by the rule: the group was admitted already.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sessionrouter.server.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+
+MAX_BATCH_SIZE = 1_000_000
+MAX_STALENESS = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class StalenessPolicy:
+    """k and B of the rule; B is at least 1."""
+
+    max_staleness: int
+    batch_size: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.batch_size <= MAX_BATCH_SIZE:
+            raise InvalidArgument(
+                "INVALID_STALENESS_POLICY",
+                f"batch_size must be 1 to {MAX_BATCH_SIZE} groups per trainer step, got"
+                f" {self.batch_size}",
+                metadata={"batch_size": self.batch_size},
+                field_violations=[("policy.batch_size", "must be at least 1")],
+            )
+        if not 0 <= self.max_staleness <= MAX_STALENESS:
+            raise InvalidArgument(
+                "INVALID_STALENESS_POLICY",
+                f"max_staleness must be 0 to {MAX_STALENESS}, got {self.max_staleness}",
+                metadata={"max_staleness": self.max_staleness},
+                field_violations=[("policy.max_staleness", f"must be 0 to {MAX_STALENESS}")],
+            )
+
+
+@dataclass(slots=True)
+class StalenessGate:
+    """The trainer's state and the admission counters. Mutated only by the router."""
+
+    version: int = 0
+    policy: StalenessPolicy | None = None
+    refuse_mixed_versions: bool = False
+    started: int = 0
+    """Groups admitted (counted) since the policy was set or the counters reset."""
+    dropped: int = 0
+    """Of those, how many were dropped."""
+    epoch: int = 0
+    """Bumped by every counter reset: a group counts against the epoch it was admitted in,
+    so the drop of a group admitted before a reset does not reopen a slot after it."""
+
+    @property
+    def limit(self) -> int:
+        """``(v + k + 1) * B``; 0 without a policy."""
+        if self.policy is None:
+            return 0
+        return (self.version + self.policy.max_staleness + 1) * self.policy.batch_size
+
+    @property
+    def in_flight(self) -> int:
+        """Admitted groups that count against the limit: started less dropped."""
+        return self.started - self.dropped
+
+    @property
+    def open(self) -> bool:
+        """True when one more group may be admitted."""
+        return self.policy is None or self.in_flight < self.limit
+
+    def check_admit(self, retry_after_s: float) -> None:
+        """Refuses a new group beyond the limit with ResourceExhausted (STALENESS_LIMIT)."""
+        if self.open:
+            return
+        raise ResourceExhausted(
+            "STALENESS_LIMIT",
+            f"{self.in_flight} groups in flight reach the staleness limit {self.limit}"
+            f" (trainer version {self.version}); retry when the trainer steps or groups are"
+            " dropped",
+            metadata={
+                "in_flight": self.in_flight,
+                "limit": self.limit,
+                "trainer_version": self.version,
+                "max_staleness": self.policy.max_staleness if self.policy else 0,
+                "batch_size": self.policy.batch_size if self.policy else 0,
+            },
+            retry_after_s=retry_after_s,
+        )
+
+    def set_state(
+        self,
+        version: int,
+        policy: StalenessPolicy | None,
+        clear_policy: bool,
+        reset_counters: bool,
+        refuse_mixed_versions: bool | None,
+    ) -> None:
+        """Applies a SetTrainerState, all checks first so that a refusal changes nothing."""
+        if version < self.version:
+            raise FailedPrecondition(
+                "VERSION_BACKWARDS",
+                f"the trainer is at version {self.version}; it cannot go back to {version}",
+                metadata={"held": self.version, "got": version},
+            )
+        if clear_policy and policy is not None:
+            raise InvalidArgument(
+                "INVALID_STALENESS_POLICY",
+                "clear_policy and a policy in the same request contradict each other",
+                field_violations=[("clear_policy", "set together with policy")],
+            )
+        self.version = version
+        if clear_policy:
+            self.policy = None
+        elif policy is not None:
+            if self.policy is None:
+                reset_counters = True  # counting starts when a policy is first set
+            self.policy = policy
+        if reset_counters:
+            self.started = self.dropped = 0
+            self.epoch += 1
+        if refuse_mixed_versions is not None:
+            self.refuse_mixed_versions = refuse_mixed_versions
+
+    def admitted(self) -> int:
+        """Counts a new group; returns the epoch it counts in (0: not counted)."""
+        if self.policy is None:
+            return 0
+        self.started += 1
+        return self.epoch
+
+    def dropped_one(self, epoch: int) -> bool:
+        """Counts the drop of a group admitted in ``epoch``; True when it counted."""
+        if epoch and epoch == self.epoch and self.policy is not None:
+            self.dropped += 1
+            return True
+        return False
