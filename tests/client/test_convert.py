@@ -28,6 +28,8 @@ WORKER = types.Worker(
     draining=True,
     open_sessions=3,
     last_heartbeat_time=T0,
+    policy_version=7,
+    updating_to_version=8,
 )
 SESSION = types.Session(
     name="groups/g1/sessions/2",
@@ -42,6 +44,10 @@ SESSION = types.Session(
     metadata={"prompt_hash": "abc"},
     request_id="r-1",
     create_time=T0,
+    start_version=5,
+    min_version=5,
+    max_version=6,
+    interrupted=True,
 )
 ESTIMATOR = types.EstimatorConfig(name="grpo", eps=1e-6, ddof=0, batch_std=False)
 OPTIONS = types.GroupOptions(
@@ -58,6 +64,7 @@ GROUP = types.Group(
     create_time=T0,
     deadline_time=T0 + timedelta(seconds=90),
     cursor=17,
+    admitted_trainer_version=4,
 )
 GROUP_RESULT = types.GroupResult(
     cursor=17,
@@ -74,10 +81,31 @@ GROUP_RESULT = types.GroupResult(
     degenerate=False,
     excluded_sessions=("groups/g1/sessions/1",),
     finalize_time=T0,
+    min_version=5,
+    max_version=6,
+    trainer_version=7,
+    admitted_trainer_version=4,
+)
+TRAINER_STATE = types.TrainerState(
+    version=7,
+    policy=types.StalenessPolicy(max_staleness=2, batch_size=16),
+    refuse_mixed_versions=True,
+    groups_started=130,
+    groups_dropped=3,
+    admission_limit=160,
+    weight_update_version=8,
+    weight_update_fleet_wide=True,
+    workers_updating=4,
+    distinct_worker_versions=2,
 )
 
 ROUND_TRIPS: dict[type[Any], tuple[Any, Callable[[Any], message.Message], Callable[[Any], Any]]] = {
     types.Worker: (WORKER, _convert.worker_to_proto, _convert.worker_from_proto),
+    types.TrainerState: (
+        TRAINER_STATE,
+        _convert.trainer_state_to_proto,
+        _convert.trainer_state_from_proto,
+    ),
     types.Session: (SESSION, _convert.session_to_proto, _convert.session_from_proto),
     types.EstimatorConfig: (
         ESTIMATOR,
@@ -134,7 +162,12 @@ ROUND_TRIPS: dict[type[Any], tuple[Any, Callable[[Any], message.Message], Callab
     ),
 }
 
-NOT_ON_THE_WIRE = {types.Page, types.SubmitRewardsResult}
+NOT_ON_THE_WIRE = {
+    types.Page,
+    types.SubmitRewardsResult,
+    types.WeightUpdate,  # built from BeginWeightUpdateResponse and the requested version
+    types.StalenessPolicy,  # inside TrainerState, round-tripped with it
+}
 """Client-side aggregates with no message of their own (built from list replies and acks)."""
 
 
@@ -174,6 +207,11 @@ def test_default_group_options_send_nothing() -> None:
     msg = _convert.group_options_to_proto(types.GroupOptions())
     assert msg.ByteSize() == 0
     assert _convert.group_options_from_proto(msg) == types.GroupOptions()
+
+
+def test_a_trainer_state_without_policy_reads_as_none() -> None:
+    state = _convert.trainer_state_from_proto(resources_pb2.TrainerState(version=3))
+    assert state == types.TrainerState(version=3)
 
 
 def test_unset_fields_read_as_none() -> None:

@@ -16,6 +16,7 @@ parameters and docstring; the logic behind them lives in ``_retry``, ``_feed`` a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -49,9 +50,12 @@ from sessionrouter.client.types import (
     RegisterWorkerResult,
     RewardStatus,
     Session,
+    StalenessPolicy,
     StartGroupResult,
     StartSessionResult,
     SubmitRewardsResult,
+    TrainerState,
+    WeightUpdate,
     Worker,
 )
 from sessionrouter.v1 import session_service_pb2 as spb
@@ -207,18 +211,28 @@ class SessionRouterClient:
         capacity: int,
         *,
         labels: Mapping[str, str] | None = None,
+        policy_version: int = 0,
         timeout: float | None = None,
     ) -> RegisterWorkerResult:
-        """Adds a worker, or updates capacity and labels of a registered one (idempotent)."""
+        """Adds a worker, or updates capacity and labels of a registered one (idempotent).
+        ``policy_version`` is the weight version it serves (0: unknown)."""
         request = wpb.RegisterWorkerRequest(
-            worker_id=worker_id, address=address, capacity=capacity, labels=dict(labels or {})
+            worker_id=worker_id,
+            address=address,
+            capacity=capacity,
+            labels=dict(labels or {}),
+            policy_version=policy_version,
         )
         response = await self._unary(self._workers.RegisterWorker, request, timeout)
         return _convert.register_worker_result_from_proto(response)
 
-    async def heartbeat(self, worker_id: str, *, timeout: float | None = None) -> Worker:
-        """Tells the router the worker is alive; call well within ``heartbeat_timeout``."""
-        request = wpb.HeartbeatRequest(worker_id=worker_id)
+    async def heartbeat(
+        self, worker_id: str, *, policy_version: int = 0, timeout: float | None = None
+    ) -> Worker:
+        """Tells the router the worker is alive; call well within ``heartbeat_timeout``.
+        ``policy_version`` reports the weights it serves now (0: unchanged); the target
+        version of a weight update in progress puts the worker back into placement."""
+        request = wpb.HeartbeatRequest(worker_id=worker_id, policy_version=policy_version)
         response = await self._unary(self._workers.Heartbeat, request, timeout)
         return _convert.worker_from_proto(response.worker)
 
@@ -267,6 +281,62 @@ class SessionRouterClient:
                 return
             token = page.next_page_token
 
+    async def begin_weight_update(
+        self,
+        version: int,
+        *,
+        worker_ids: Sequence[str] = (),
+        interrupt_sessions: bool = False,
+        timeout: float | None = None,
+    ) -> WeightUpdate:
+        """Takes the named workers (every worker when none is named) out of placement until
+        each serves ``version``. Their open sessions keep running; with
+        ``interrupt_sessions`` they are marked interrupted."""
+        request = wpb.BeginWeightUpdateRequest(
+            version=version, worker_ids=list(worker_ids), interrupt_sessions=interrupt_sessions
+        )
+        response = await self._unary(self._workers.BeginWeightUpdate, request, timeout)
+        return WeightUpdate(
+            version=version,
+            workers=tuple(_convert.worker_from_proto(w) for w in response.workers),
+            interrupted_sessions=response.interrupted_sessions,
+        )
+
+    async def complete_weight_update(
+        self, worker_id: str, *, version: int = 0, timeout: float | None = None
+    ) -> tuple[Worker, bool]:
+        """Puts a worker back with its new version (0: the update's target); returns the
+        worker and whether the whole update is over."""
+        request = wpb.CompleteWeightUpdateRequest(worker_id=worker_id, version=version)
+        response = await self._unary(self._workers.CompleteWeightUpdate, request, timeout)
+        return _convert.worker_from_proto(response.worker), response.update_finished
+
+    @contextlib.asynccontextmanager
+    async def weight_update(
+        self,
+        version: int,
+        *,
+        worker_ids: Sequence[str] = (),
+        interrupt_sessions: bool = False,
+        timeout: float | None = None,
+    ) -> AsyncIterator[WeightUpdate]:
+        """``async with client.weight_update(8) as update:`` load the weights in the body.
+
+        On entry the selected workers leave placement; on a normal exit every one of them
+        still updating is completed at ``version``. When the body raises, the workers stay
+        out of placement (they may not serve the new weights; saying they do would stamp
+        sessions with a lie): complete them, or let their heartbeats report the version."""
+        update = await self.begin_weight_update(
+            version, worker_ids=worker_ids, interrupt_sessions=interrupt_sessions, timeout=timeout
+        )
+        yield update
+        for worker in update.workers:
+            current = await self.get_worker(worker.worker_id, timeout=timeout)
+            if current.updating_to_version == version:
+                await self.complete_weight_update(
+                    worker.worker_id, version=version, timeout=timeout
+                )
+
     # SessionService -----------------------------------------------------------------------
 
     async def start_session(
@@ -279,6 +349,7 @@ class SessionRouterClient:
         metadata: Mapping[str, str] | None = None,
         options: GroupOptions | None = None,
         placement: PlacementMode | None = None,
+        wait_for_admission: bool = False,
         timeout: float | None = None,
     ) -> StartSessionResult:
         """Starts one session and places it on a worker.
@@ -287,7 +358,9 @@ class SessionRouterClient:
         creates it if unknown). ``group_size`` 0 means 1 for a new group and "the group's size"
         when joining. ``request_id`` (a uuid4 when omitted) is kept across retries, so a retry
         never takes a second slot. ``metadata`` is kept with the session (not sent as gRPC
-        headers); ``options`` apply when this call creates the group.
+        headers); ``options`` apply when this call creates the group. With
+        ``wait_for_admission`` a start beyond the staleness limit, or during a fleet-wide
+        weight update, waits (within ``timeout``) instead of failing at once.
         """
         request = _convert.start_request_to_proto(
             spb.StartSessionRequest,
@@ -298,6 +371,7 @@ class SessionRouterClient:
             metadata=metadata,
             options=options,
             placement=placement,
+            wait_for_admission=wait_for_admission,
         )
         response = await self._unary(self._sessions.StartSession, request, timeout)
         return _convert.start_session_result_from_proto(response)
@@ -312,6 +386,7 @@ class SessionRouterClient:
         metadata: Mapping[str, str] | None = None,
         options: GroupOptions | None = None,
         placement: PlacementMode | None = None,
+        wait_for_admission: bool = False,
         timeout: float | None = None,
     ) -> StartGroupResult:
         """Starts ``group_size`` sessions for ``task_id`` in one round trip: all or none.
@@ -328,6 +403,7 @@ class SessionRouterClient:
             metadata=metadata,
             options=options,
             placement=placement,
+            wait_for_admission=wait_for_admission,
         )
         response = await self._unary(self._sessions.StartGroup, request, timeout)
         return _convert.start_group_result_from_proto(response)
@@ -479,6 +555,7 @@ class SessionRouterClient:
         *,
         after_cursor: int = 0,
         from_latest: bool = False,
+        min_version: int = 0,
         retry_policy: RetryPolicy | None = None,
         max_failed_connections: int | None = None,
         on_retry: FeedRetryHook | None = None,
@@ -498,8 +575,10 @@ class SessionRouterClient:
         out of the loop (or ``aclose()`` it, or cancel the task) to stop.
 
         ``skip_degenerate=True`` asks the router to leave out degenerate groups (all rewards,
-        or all filter metrics, equal: nothing to learn from); ``on_skipped(count,
-        last_cursor)`` hears how many were left out, up to which cursor.
+        or all filter metrics, equal: nothing to learn from); ``min_version`` leaves out
+        groups whose ``min_version`` is older. ``on_skipped(count, last_cursor)`` hears how
+        many either left out, up to which cursor; a reconnect resumes after the last cursor
+        the router covered.
         """
         retrier = self._retrier if retry_policy is None else Retrier(retry_policy)
 
@@ -517,7 +596,46 @@ class SessionRouterClient:
             on_retry=on_retry,
             skip_degenerate=skip_degenerate,
             on_skipped=on_skipped,
+            min_version=min_version,
         )
+
+    # Trainer state ------------------------------------------------------------------------
+
+    async def set_trainer_state(
+        self,
+        version: int,
+        *,
+        policy: StalenessPolicy | None = None,
+        clear_policy: bool = False,
+        reset_counters: bool = False,
+        refuse_mixed_versions: bool | None = None,
+        timeout: float | None = None,
+    ) -> TrainerState:
+        """Tells the router the trainer's version (and a staleness policy, when given):
+        admission opens as soon as the limit grows. Never lower than the version held."""
+        request = spb.SetTrainerStateRequest(
+            version=version, clear_policy=clear_policy, reset_counters=reset_counters
+        )
+        if policy is not None:
+            request.policy.max_staleness = policy.max_staleness
+            request.policy.batch_size = policy.batch_size
+        if refuse_mixed_versions is not None:
+            request.refuse_mixed_versions = refuse_mixed_versions
+        response = await self._unary(self._sessions.SetTrainerState, request, timeout)
+        return _convert.trainer_state_from_proto(response.state)
+
+    async def set_trainer_version(
+        self, version: int, *, timeout: float | None = None
+    ) -> TrainerState:
+        """``set_trainer_state(version)``: the call a trainer makes after every step."""
+        return await self.set_trainer_state(version, timeout=timeout)
+
+    async def get_trainer_state(self, *, timeout: float | None = None) -> TrainerState:
+        """The trainer state, admission counters and any weight update in progress."""
+        response = await self._unary(
+            self._sessions.GetTrainerState, spb.GetTrainerStateRequest(), timeout
+        )
+        return _convert.trainer_state_from_proto(response.state)
 
     # Group helpers ------------------------------------------------------------------------
 

@@ -65,6 +65,8 @@ def worker_from_proto(msg: resources_pb2.Worker) -> types.Worker:
         last_heartbeat_time=_time_from_proto(
             msg.last_heartbeat_time, msg.HasField("last_heartbeat_time")
         ),
+        policy_version=msg.policy_version,
+        updating_to_version=msg.updating_to_version,
     )
 
 
@@ -103,6 +105,10 @@ def session_from_proto(msg: resources_pb2.Session) -> types.Session:
         filter_metric=msg.filter_metric if msg.HasField("filter_metric") else None,
         replaces=msg.replaces,
         replaced_by=msg.replaced_by,
+        start_version=msg.start_version,
+        min_version=msg.min_version,
+        max_version=msg.max_version,
+        interrupted=msg.interrupted,
     )
 
 
@@ -170,6 +176,7 @@ def group_from_proto(msg: resources_pb2.Group) -> types.Group:
         cursor=msg.cursor,
         distinct_workers=msg.distinct_workers,
         shared_worker=msg.shared_worker,
+        admitted_trainer_version=msg.admitted_trainer_version,
     )
 
 
@@ -191,6 +198,30 @@ def group_result_from_proto(msg: resources_pb2.GroupResult) -> types.GroupResult
         finalize_time=_time_from_proto(msg.finalize_time, msg.HasField("finalize_time")),
         filter_metrics=tuple(msg.filter_metrics),
         replaced_sessions=tuple(msg.replaced_sessions),
+        min_version=msg.min_version,
+        max_version=msg.max_version,
+        trainer_version=msg.trainer_version,
+        admitted_trainer_version=msg.admitted_trainer_version,
+    )
+
+
+def trainer_state_from_proto(msg: resources_pb2.TrainerState) -> types.TrainerState:
+    policy = (
+        types.StalenessPolicy(msg.policy.max_staleness, msg.policy.batch_size)
+        if msg.HasField("policy")
+        else None
+    )
+    return types.TrainerState(
+        version=msg.version,
+        policy=policy,
+        refuse_mixed_versions=msg.refuse_mixed_versions,
+        groups_started=msg.groups_started,
+        groups_dropped=msg.groups_dropped,
+        admission_limit=msg.admission_limit,
+        weight_update_version=msg.weight_update_version,
+        weight_update_fleet_wide=msg.weight_update_fleet_wide,
+        workers_updating=msg.workers_updating,
+        distinct_worker_versions=msg.distinct_worker_versions,
     )
 
 
@@ -209,9 +240,11 @@ def start_request_to_proto(
     metadata: Mapping[str, str] | None,
     options: types.GroupOptions | None,
     placement: types.PlacementMode | None,
+    wait_for_admission: bool = False,
 ) -> _StartRequest:
     """A StartSessionRequest or StartGroupRequest: the two carry the same fields."""
     msg = cls(
+        wait_for_admission=wait_for_admission,
         task_id=task_id,
         group_size=group_size,
         request_id=request_id,
@@ -291,6 +324,8 @@ def worker_to_proto(value: types.Worker) -> resources_pb2.Worker:
         draining=value.draining,
         open_sessions=value.open_sessions,
         last_heartbeat_time=_time_to_proto(value.last_heartbeat_time),
+        policy_version=value.policy_version,
+        updating_to_version=value.updating_to_version,
     )
 
 
@@ -329,6 +364,10 @@ def session_to_proto(value: types.Session) -> resources_pb2.Session:
         filter_metric=value.filter_metric,
         replaces=value.replaces,
         replaced_by=value.replaced_by,
+        start_version=value.start_version,
+        min_version=value.min_version,
+        max_version=value.max_version,
+        interrupted=value.interrupted,
     )
 
 
@@ -346,6 +385,7 @@ def group_to_proto(value: types.Group) -> resources_pb2.Group:
         cursor=value.cursor,
         distinct_workers=value.distinct_workers,
         shared_worker=value.shared_worker,
+        admitted_trainer_version=value.admitted_trainer_version,
     )
 
 
@@ -367,7 +407,29 @@ def group_result_to_proto(value: types.GroupResult) -> resources_pb2.GroupResult
         finalize_time=_time_to_proto(value.finalize_time),
         filter_metrics=value.filter_metrics,
         replaced_sessions=value.replaced_sessions,
+        min_version=value.min_version,
+        max_version=value.max_version,
+        trainer_version=value.trainer_version,
+        admitted_trainer_version=value.admitted_trainer_version,
     )
+
+
+def trainer_state_to_proto(value: types.TrainerState) -> resources_pb2.TrainerState:
+    msg = resources_pb2.TrainerState(
+        version=value.version,
+        refuse_mixed_versions=value.refuse_mixed_versions,
+        groups_started=value.groups_started,
+        groups_dropped=value.groups_dropped,
+        admission_limit=value.admission_limit,
+        weight_update_version=value.weight_update_version,
+        weight_update_fleet_wide=value.weight_update_fleet_wide,
+        workers_updating=value.workers_updating,
+        distinct_worker_versions=value.distinct_worker_versions,
+    )
+    if value.policy is not None:
+        msg.policy.max_staleness = value.policy.max_staleness
+        msg.policy.batch_size = value.policy.batch_size
+    return msg
 
 
 def start_session_result_to_proto(

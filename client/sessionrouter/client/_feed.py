@@ -58,9 +58,9 @@ class FeedRetryHook(Protocol):
 
 
 FeedSkipHook = Callable[[int, int], None]
-"""``on_skipped(count, last_cursor)``: ``count`` degenerate groups with cursors up to
-``last_cursor`` are left out (``skip_degenerate``). Called when a message arrives, before the
-groups it does deliver are yielded."""
+"""``on_skipped(count, last_cursor)``: ``count`` groups with cursors up to ``last_cursor`` are
+left out (degenerate ones with ``skip_degenerate``, older ones with ``min_version``). Called
+when a message arrives, before the groups it does deliver are yielded."""
 
 
 class _StreamEndedError(SessionRouterError):
@@ -77,6 +77,7 @@ async def follow_feed(
     on_retry: FeedRetryHook | None = None,
     skip_degenerate: bool = False,
     on_skipped: FeedSkipHook | None = None,
+    min_version: int = 0,
 ) -> AsyncGenerator[GroupResult, None]:
     """Yields every group result after ``after_cursor`` (or after the newest, with
     ``from_latest``), reconnecting whenever the stream is lost.
@@ -88,15 +89,19 @@ async def follow_feed(
     the last error is raised; ``None`` (the default) never gives up. Each retry is logged at
     WARNING and passed to ``on_retry``.
 
-    With ``skip_degenerate`` the router leaves degenerate groups out; each message that
-    covered some tells ``on_skipped`` how many, and the resume cursor moves past them, so a
-    reconnect neither asks for them again nor counts them twice.
+    With ``skip_degenerate`` the router leaves degenerate groups out, with ``min_version``
+    the groups whose min_version is older; each message that covered some tells
+    ``on_skipped`` how many, and the resume cursor moves past them, so a reconnect neither
+    asks for them again nor counts them twice.
     """
     cursor = after_cursor
     failures = 0
     while True:
         request = pb.SubscribeGroupsRequest(
-            after_cursor=cursor, from_latest=from_latest, skip_degenerate=skip_degenerate
+            after_cursor=cursor,
+            from_latest=from_latest,
+            skip_degenerate=skip_degenerate,
+            min_version=min_version,
         )
         call = open_call(request)
         try:
@@ -117,8 +122,9 @@ async def follow_feed(
                     covers_new = message.last_cursor > cursor or (
                         from_latest and message.last_cursor > 0
                     )
-                    if covers_new and message.skipped_degenerate and on_skipped is not None:
-                        on_skipped(message.skipped_degenerate, message.last_cursor)
+                    skipped = message.skipped_degenerate + message.skipped_groups
+                    if covers_new and skipped and on_skipped is not None:
+                        on_skipped(skipped, message.last_cursor)
                     for group in message.groups:  # several per message under load
                         if group.cursor <= cursor and not from_latest:
                             continue  # already delivered before a reconnect

@@ -165,17 +165,27 @@ class RewardStream:
         await self._join()
 
     async def submit(
-        self, session: str, reward: float, *, filter_metric: float | None = None
+        self,
+        session: str,
+        reward: float,
+        *,
+        filter_metric: float | None = None,
+        min_version: int = 0,
+        max_version: int = 0,
     ) -> RewardResult:
         """Submits one reward and returns what the router did with it.
 
         ``filter_metric`` is the raw task outcome (say pass rate), kept apart from the shaped
         reward: when every counted member of a group has one, the group is degenerate when
-        those are all equal. A resubmission must repeat it. ``RewardResult.ok`` is true for
-        ACCEPTED and DUPLICATE. Raises the stream's error if the stream died before this entry
-        was acknowledged.
+        those are all equal. A resubmission must repeat it. ``min_version``/``max_version``
+        say which policy versions the generation used when it swapped weights mid-session
+        (0 and 0: the session's start version). ``RewardResult.ok`` is true for ACCEPTED and
+        DUPLICATE. Raises the stream's error if the stream died before this entry was
+        acknowledged.
         """
-        return await self._enqueue(_convert.reward_entry_to_proto(session, reward, filter_metric))
+        entry = _convert.reward_entry_to_proto(session, reward, filter_metric)
+        entry.min_version, entry.max_version = min_version, max_version
+        return await self._enqueue(entry)
 
     async def submit_many(
         self, rewards: Iterable[tuple[str, float] | tuple[str, float, float | None]]

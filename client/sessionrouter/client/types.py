@@ -44,9 +44,12 @@ __all__ = [
     "RewardStatus",
     "Session",
     "SessionState",
+    "StalenessPolicy",
     "StartGroupResult",
     "StartSessionResult",
     "SubmitRewardsResult",
+    "TrainerState",
+    "WeightUpdate",
     "Worker",
     "WorkerHealth",
 ]
@@ -111,6 +114,8 @@ class RewardStatus(enum.Enum):
     NOT_FINITE = 5
     SESSION_ABORTED = 6
     GROUP_CLOSED = 7
+    INVALID_VERSIONS = 8
+    """min_version above max_version: refused."""
 
 
 class PlacementMode(enum.Enum):
@@ -139,6 +144,10 @@ class Worker:
     open_sessions: int = 0
     """Sessions placed here that have neither a reward nor an abort yet."""
     last_heartbeat_time: datetime | None = None
+    policy_version: int = 0
+    """The policy (weight) version the worker serves; 0 is unknown."""
+    updating_to_version: int = 0
+    """Non-zero while the worker is in a weight update to this version (no new sessions)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +192,14 @@ class Session:
     """On a replacement member: the name of the member it replaces."""
     replaced_by: str = ""
     """On a replaced (hence aborted) member: the name of its replacement."""
+    start_version: int = 0
+    """The worker's policy version when the session was placed (0: unknown)."""
+    min_version: int = 0
+    """Oldest and newest policy versions the generation used (from the reward entry, else
+    ``start_version``)."""
+    max_version: int = 0
+    interrupted: bool = False
+    """A weight update of the worker asked for its open sessions to be reported interrupted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +259,8 @@ class Group:
     """How many workers the members were placed on."""
     shared_worker: bool = False
     """True when at least two members share a worker (``Session.shares_worker`` says which)."""
+    admitted_trainer_version: int = 0
+    """The trainer's version when the group was admitted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,6 +323,14 @@ class GroupResult:
     (``degenerate`` then means those are all equal); else empty."""
     replaced_sessions: tuple[str, ...] = ()
     """Members replaced by another (``replace_lost``); also in ``excluded_sessions``."""
+    min_version: int = 0
+    """Oldest and newest policy versions of the members that count; 0 when unknown. The
+    group's staleness for a trainer at version v is ``v - min_version``."""
+    max_version: int = 0
+    trainer_version: int = 0
+    """The trainer's version when the group was finalized."""
+    admitted_trainer_version: int = 0
+    """The trainer's version when the group was admitted."""
 
     @property
     def rewards_array(self) -> npt.NDArray[np.float64]:
@@ -363,3 +390,41 @@ class Page(Generic[T]):
 
     items: tuple[T, ...]
     next_page_token: str
+
+
+@dataclass(frozen=True, slots=True)
+class StalenessPolicy:
+    """Admit a new group only while groups in flight stay within
+    ``(version + max_staleness + 1) * batch_size`` (AReaL's rule); ``batch_size`` >= 1."""
+
+    max_staleness: int
+    batch_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerState:
+    """The trainer's version and staleness policy as the router holds them."""
+
+    version: int = 0
+    policy: StalenessPolicy | None = None
+    refuse_mixed_versions: bool = False
+    groups_started: int = 0
+    groups_dropped: int = 0
+    admission_limit: int = 0
+    """``(version + k + 1) * B``; 0 without a policy."""
+    weight_update_version: int = 0
+    """The weight update in progress; 0 when none."""
+    weight_update_fleet_wide: bool = False
+    workers_updating: int = 0
+    distinct_worker_versions: int = 0
+    """Distinct known policy versions among healthy workers; above 1 is a mixed fleet."""
+
+
+@dataclass(frozen=True, slots=True)
+class WeightUpdate:
+    """A weight update begun by ``begin_weight_update``."""
+
+    version: int
+    workers: tuple[Worker, ...]
+    """The selected workers, now updating."""
+    interrupted_sessions: int = 0
