@@ -3,13 +3,15 @@
 // buf.gen.yaml (`make stubs-node`) and Connect's gRPC transport for Node, and runs the
 // cross-language scenario against the server at argv[2] (HOST:PORT):
 //
-//  1. register 4 workers (capacity 4);
+//  1. register 4 workers (capacity 4) serving policy version 3, and set the trainer's
+//     version to 2;
 //  2. start one group of 4 through 4 concurrent StartSession calls, and check the members
-//     share the group and sit on 4 distinct workers;
+//     share the group, sit on 4 distinct workers and are stamped with version 3;
 //  3. check that a conflicting group_size on the same group is INVALID_ARGUMENT;
 //  4. submit rewards [1, 0, 0, 1] on one SubmitRewards stream, with a bad entry (unknown
 //     session) and a NaN reward along the way, check every entry's status, and check the
-//     group_result's advantages against GRPO computed here (ddof 1, eps 1e-6);
+//     group_result's advantages against GRPO computed here (ddof 1, eps 1e-6), and its
+//     versions (min and max policy version 3, trainer version 2);
 //  5. deregister the workers.
 //
 // Exit status 0 on success, 1 with a message otherwise.
@@ -26,6 +28,8 @@ const GROUP_SIZE = 4;
 const EPS = 1e-6;
 const TOLERANCE = 1e-9;
 const REWARDS = [1, 0, 0, 1];
+const POLICY_VERSION = 3n; // uint64 fields are bigint in protobuf-es
+const TRAINER_VERSION = 2n;
 const CALL_OPTIONS = { timeoutMs: 30_000 };
 
 class ScenarioError extends Error {}
@@ -68,6 +72,10 @@ async function startGroup(sessions, groupId, taskId) {
     );
     check(!reply.sharedWorker, `session ${s.name}: shared_worker set although 4 workers are free`);
     check(!s.sharesWorker, `session ${s.name}: shares_worker set although 4 workers are free`);
+    check(
+      s.startVersion === POLICY_VERSION && s.minVersion === POLICY_VERSION,
+      `session ${s.name}: start_version ${s.startVersion} min_version ${s.minVersion}, want ${POLICY_VERSION}`,
+    );
     members[s.index] = s;
     onWorker.set(s.workerId, s.name);
     created += reply.groupCreated ? 1 : 0;
@@ -115,6 +123,13 @@ function checkResult(result, groupId, members) {
   check(
     result.groupId === groupId && result.outcome === GroupOutcome.COMPLETE,
     `group_result for ${result.groupId} with outcome ${GroupOutcome[result.outcome]}, want ${groupId} COMPLETE`,
+  );
+  check(
+    result.minVersion === POLICY_VERSION &&
+      result.maxVersion === POLICY_VERSION &&
+      result.trainerVersion === TRAINER_VERSION,
+    `group_result versions min ${result.minVersion} max ${result.maxVersion} trainer` +
+      ` ${result.trainerVersion}, want ${POLICY_VERSION} ${POLICY_VERSION} ${TRAINER_VERSION}`,
   );
   const sent = new Map(members.map((s, i) => [s.name, REWARDS[i]]));
   const names = result.sessions;
@@ -196,11 +211,18 @@ async function run(address) {
   try {
     for (const [i, id] of workerIds.entries()) {
       await workers.registerWorker(
-        { workerId: id, address: `127.0.0.1:${30000 + i}`, capacity: 4, labels: { client: "node" } },
+        {
+          workerId: id,
+          address: `127.0.0.1:${30000 + i}`,
+          capacity: 4,
+          labels: { client: "node" },
+          policyVersion: POLICY_VERSION,
+        },
         CALL_OPTIONS,
       );
     }
     console.log(`registered workers ${workerIds.join(", ")}`);
+    await sessions.setTrainerState({ version: TRAINER_VERSION }, CALL_OPTIONS);
     const groupId = `node-${runId}`;
     const taskId = `node-task-${runId}`;
     const members = await startGroup(sessions, groupId, taskId);

@@ -1,13 +1,15 @@
 // Command interop-client runs the cross-language scenario against a sessionrouter server,
 // through stubs generated from protos/ by `make stubs`:
 //
-//  1. register 4 workers (capacity 4);
+//  1. register 4 workers (capacity 4) serving policy version 3, and set the trainer's
+//     version to 2;
 //  2. start one group of 4 through 4 concurrent StartSession calls, and check the members
-//     share the group and sit on 4 distinct workers;
+//     share the group, sit on 4 distinct workers and are stamped with version 3;
 //  3. check that a conflicting group_size on the same group is INVALID_ARGUMENT;
 //  4. submit rewards [1, 0, 0, 1] on one SubmitRewards stream, with a bad entry (unknown
 //     session) and a NaN reward along the way, check every entry's status, and check the
-//     group_result's advantages against GRPO computed here (ddof 1, eps 1e-6);
+//     group_result's advantages against GRPO computed here (ddof 1, eps 1e-6), and its
+//     versions (min and max policy version 3, trainer version 2);
 //  5. deregister the workers.
 //
 // Usage: interop-client HOST:PORT. Exit status 0 on success, 1 with a message otherwise.
@@ -35,9 +37,11 @@ import (
 )
 
 const (
-	groupSize = 4
-	eps       = 1e-6
-	tolerance = 1e-9
+	groupSize      = 4
+	policyVersion  = 3
+	trainerVersion = 2
+	eps            = 1e-6
+	tolerance      = 1e-9
 )
 
 // rewards are the rewards of the members, by index.
@@ -72,16 +76,20 @@ func run(addr string) (err error) {
 	for i := range workerIDs {
 		workerIDs[i] = fmt.Sprintf("go-%s-w%d", runID, i)
 		_, err := workers.RegisterWorker(ctx, &pb.RegisterWorkerRequest{
-			WorkerId: workerIDs[i],
-			Address:  fmt.Sprintf("127.0.0.1:%d", 30000+i),
-			Capacity: 4,
-			Labels:   map[string]string{"client": "go"},
+			WorkerId:      workerIDs[i],
+			Address:       fmt.Sprintf("127.0.0.1:%d", 30000+i),
+			Capacity:      4,
+			Labels:        map[string]string{"client": "go"},
+			PolicyVersion: policyVersion,
 		})
 		if err != nil {
 			return fmt.Errorf("RegisterWorker %s: %w", workerIDs[i], err)
 		}
 	}
 	fmt.Printf("registered workers %v\n", workerIDs)
+	if _, err := sessions.SetTrainerState(ctx, &pb.SetTrainerStateRequest{Version: trainerVersion}); err != nil {
+		return fmt.Errorf("SetTrainerState: %w", err)
+	}
 	defer func() {
 		for _, id := range workerIDs {
 			if _, derr := workers.DeregisterWorker(ctx, &pb.DeregisterWorkerRequest{WorkerId: id}); derr != nil {
@@ -147,6 +155,10 @@ func startGroup(ctx context.Context, sessions pb.SessionServiceClient, groupID, 
 		}
 		if reply.GetSharedWorker() || s.GetSharesWorker() {
 			return nil, fmt.Errorf("session %s: shared_worker or shares_worker set although 4 workers are free", s.GetName())
+		}
+		if s.GetStartVersion() != policyVersion || s.GetMinVersion() != policyVersion {
+			return nil, fmt.Errorf("session %s: start_version %d min_version %d, want %d",
+				s.GetName(), s.GetStartVersion(), s.GetMinVersion(), policyVersion)
 		}
 		members[s.GetIndex()] = s
 		onWorker[s.GetWorkerId()] = s.GetName()
@@ -263,6 +275,12 @@ func checkResult(result *pb.GroupResult, groupID string, members []*pb.Session) 
 	if result.GetGroupId() != groupID || result.GetOutcome() != pb.GroupOutcome_GROUP_OUTCOME_COMPLETE {
 		return fmt.Errorf("group_result for %q with outcome %v, want %q COMPLETE",
 			result.GetGroupId(), result.GetOutcome(), groupID)
+	}
+	if result.GetMinVersion() != policyVersion || result.GetMaxVersion() != policyVersion ||
+		result.GetTrainerVersion() != trainerVersion {
+		return fmt.Errorf("group_result versions min %d max %d trainer %d, want %d %d %d",
+			result.GetMinVersion(), result.GetMaxVersion(), result.GetTrainerVersion(),
+			policyVersion, policyVersion, trainerVersion)
 	}
 	sent := map[string]float64{}
 	for i, s := range members {

@@ -10,6 +10,7 @@ import dev.sessionrouter.v1.RewardResult;
 import dev.sessionrouter.v1.RewardStatus;
 import dev.sessionrouter.v1.Session;
 import dev.sessionrouter.v1.SessionServiceGrpc;
+import dev.sessionrouter.v1.SetTrainerStateRequest;
 import dev.sessionrouter.v1.StartSessionRequest;
 import dev.sessionrouter.v1.StartSessionResponse;
 import dev.sessionrouter.v1.SubmitRewardsRequest;
@@ -37,11 +38,13 @@ import java.util.concurrent.TimeUnit;
  * Java interop client for sessionrouter, over grpc-java stubs generated from protos/ by Maven.
  *
  * <p>Runs the cross-language scenario against the server at {@code args[0]} (HOST:PORT):
- * registers 4 workers; starts one group of 4 through 4 concurrent StartSession calls and checks
- * the members share the group on 4 distinct workers; checks that a conflicting group_size is
+ * registers 4 workers serving policy version 3 and sets the trainer's version to 2; starts one
+ * group of 4 through 4 concurrent StartSession calls and checks the members share the group on
+ * 4 distinct workers, stamped with version 3; checks that a conflicting group_size is
  * INVALID_ARGUMENT; submits rewards [1, 0, 0, 1] on one SubmitRewards stream, with an unknown
- * session and a NaN reward along the way, checks each entry's status and the group_result's
- * advantages against GRPO computed here (ddof 1, eps 1e-6); deregisters the workers.
+ * session and a NaN reward along the way, checks each entry's status, the group_result's
+ * advantages against GRPO computed here (ddof 1, eps 1e-6) and its versions (min and max 3,
+ * trainer 2); deregisters the workers.
  *
  * <p>Exit status 0 on success, 1 with a message otherwise.
  */
@@ -50,6 +53,8 @@ public final class InteropClient {
   private static final double EPS = 1e-6;
   private static final double TOLERANCE = 1e-9;
   private static final double[] REWARDS = {1, 0, 0, 1};
+  private static final long POLICY_VERSION = 3;
+  private static final long TRAINER_VERSION = 2;
   private static final long CALL_TIMEOUT_SECONDS = 30;
 
   private final WorkerServiceGrpc.WorkerServiceBlockingStub workers;
@@ -121,10 +126,13 @@ public final class InteropClient {
                     .setAddress("127.0.0.1:" + (30000 + i))
                     .setCapacity(4)
                     .putLabels("client", "java")
+                    .setPolicyVersion(POLICY_VERSION)
                     .build());
         workerIds.add(id);
       }
       System.out.println("registered workers " + workerIds);
+      sessions()
+          .setTrainerState(SetTrainerStateRequest.newBuilder().setVersion(TRAINER_VERSION).build());
       String groupId = "java-" + runId;
       String taskId = "java-task-" + runId;
       Session[] members = startGroup(groupId, taskId);
@@ -182,6 +190,10 @@ public final class InteropClient {
               + " share worker \"" + s.getWorkerId() + "\"");
       check(!reply.getSharedWorker(), "session " + s.getName() + ": shared_worker set");
       check(!s.getSharesWorker(), "session " + s.getName() + ": shares_worker set");
+      check(
+          s.getStartVersion() == POLICY_VERSION && s.getMinVersion() == POLICY_VERSION,
+          "session " + s.getName() + ": start_version " + s.getStartVersion() + ", want "
+              + POLICY_VERSION);
       members[s.getIndex()] = s;
       onWorker.put(s.getWorkerId(), s.getName());
       created += reply.getGroupCreated() ? 1 : 0;
@@ -314,6 +326,12 @@ public final class InteropClient {
         result.getGroupId().equals(groupId)
             && result.getOutcome() == GroupOutcome.GROUP_OUTCOME_COMPLETE,
         "group_result for " + result.getGroupId() + " with outcome " + result.getOutcome());
+    check(
+        result.getMinVersion() == POLICY_VERSION
+            && result.getMaxVersion() == POLICY_VERSION
+            && result.getTrainerVersion() == TRAINER_VERSION,
+        "group_result versions min " + result.getMinVersion() + " max " + result.getMaxVersion()
+            + " trainer " + result.getTrainerVersion());
     Map<String, Double> sent = new HashMap<>();
     for (int i = 0; i < members.length; i++) {
       sent.put(members[i].getName(), REWARDS[i]);
