@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 from collections.abc import AsyncIterator
 
 import grpc
@@ -222,3 +223,41 @@ async def test_the_client_api_steps_the_trainer_and_runs_a_weight_update(
         }
         after = await client.get_trainer_state()
         assert after.weight_update_version == 0 and after.distinct_worker_versions == 2
+
+
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+async def test_metrics_show_a_mixed_fleet_an_update_and_the_admission_figures() -> None:
+    h = await start_harness(metrics_port=0)
+    try:
+        for i, version in enumerate((1, 2, 2)):
+            await h.workers.RegisterWorker(
+                wpb.RegisterWorkerRequest(
+                    worker_id=f"w{i}", address=f"a:{i}", capacity=4, policy_version=version
+                )
+            )
+        policy = pb.StalenessPolicy(max_staleness=1, batch_size=4)
+        await h.sessions.SetTrainerState(spb.SetTrainerStateRequest(version=2, policy=policy))
+        await h.sessions.StartGroup(group_request())
+        await h.workers.BeginWeightUpdate(
+            wpb.BeginWeightUpdateRequest(version=3, worker_ids=["w0"])
+        )
+        collector = h.server._metrics
+        assert collector is not None
+        collector.refresh()
+        samples = await asyncio.to_thread(_scrape, h.server.metrics_port)
+        assert samples["sessionrouter_worker_versions"] == 2
+        assert samples["sessionrouter_workers_updating"] == 1
+        assert samples["sessionrouter_trainer_version"] == 2
+        assert samples['sessionrouter_admission{figure="in_flight"}'] == 1
+        assert samples['sessionrouter_admission{figure="limit"}'] == 16
+    finally:
+        await stop_harness(h)

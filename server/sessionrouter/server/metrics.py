@@ -118,6 +118,29 @@ class RouterCollector(Collector):
             "Cursor of the newest group on the feed",
             value=snap.feed_cursor,
         )
+        yield GaugeMetricFamily(
+            "sessionrouter_workers_updating",
+            "Workers in a weight update",
+            value=snap.workers_updating,
+        )
+        yield GaugeMetricFamily(
+            "sessionrouter_worker_versions",
+            "Distinct policy versions among healthy workers (above 1: a mixed fleet)",
+            value=snap.worker_versions_distinct,
+        )
+        yield GaugeMetricFamily(
+            "sessionrouter_trainer_version",
+            "The trainer's policy version",
+            value=snap.trainer_version,
+        )
+        admission = GaugeMetricFamily(
+            "sessionrouter_admission",
+            "Groups in flight against the staleness limit, and the limit (0: no policy)",
+            labels=["figure"],
+        )
+        admission.add_metric(["in_flight"], snap.admission_in_flight)
+        admission.add_metric(["limit"], snap.admission_limit)
+        yield admission
         yield from self._feed_lag()
 
     def _feed_lag(self) -> Iterator[_Family]:
