@@ -161,10 +161,17 @@ def simulate(
     return result
 
 
+BUCKETS = ((0, 0), (1, 1), (2, 2), (3, 3), (4, 7), (8, 15), (16, 1 << 62))
+"""Staleness bins of the printed histogram, inclusive."""
+
+
 def _bar(counts: Counter[int], total: int) -> str:
-    if not total:
-        return "-"
-    return "  ".join(f"{age}:{counts[age] / total:5.1%}" for age in sorted(counts))
+    cells = []
+    for low, high in BUCKETS:
+        share = sum(n for age, n in counts.items() if low <= age <= high) / total if total else 0
+        label = str(low) if low == high else (f"{low}-{high}" if high < 1 << 62 else f"{low}+")
+        cells.append(f"{label:>5}:{share:6.1%}")
+    return " ".join(cells)
 
 
 def main() -> None:
@@ -180,7 +187,7 @@ def main() -> None:
         f" 8 producers, jitter {args.jitter:.0%}; limit k={k}"
     )
     print("staleness = trainer version at consumption - trainer version at admission")
-    print(f"{'speed':>5}  {'policy':<8} {'max':>4} {'mean':>5} {'idle':>6}  histogram (age: share)")
+    print(f"{'speed':>5}  {'policy':<8} {'max':>4} {'mean':>5} {'idle':>6}  share of groups by age")
     for speed in (1, 2, 4, 8):
         for label, policy in (("none", None), (f"k={k}", k)):
             run = simulate(
