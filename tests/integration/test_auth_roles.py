@@ -130,6 +130,17 @@ async def _subscribe(h: Harness, md: Metadata) -> object:
         call.cancel()
 
 
+async def _complete_update_request(h: Harness) -> Message:
+    """An admin begins an update of w-own-1 to its next version, so that the call under test
+    completes it (a refused caller leaves it updating: the next caller completes that one)."""
+    worker = h.server.router.get_worker("w-own-1")
+    version = worker.updating_to or worker.policy_version + 1
+    await h.workers.BeginWeightUpdate(
+        wpb.BeginWeightUpdateRequest(version=version, worker_ids=["w-own-1"]), metadata=ADMIN
+    )
+    return wpb.CompleteWeightUpdateRequest(worker_id="w-own-1", version=version)
+
+
 async def _req(message: Message) -> Message:
     return message
 
@@ -171,6 +182,12 @@ CALLS: dict[str, Call] = {
         "worker", "GetWorker", _const(wpb.GetWorkerRequest(worker_id="w-own-1"))
     ),
     _W + "ListWorkers": _unary("worker", "ListWorkers", _const(wpb.ListWorkersRequest())),
+    _W + "BeginWeightUpdate": _unary(
+        "worker",
+        "BeginWeightUpdate",
+        _const(wpb.BeginWeightUpdateRequest(version=1, worker_ids=["w-own-2"])),
+    ),
+    _W + "CompleteWeightUpdate": _unary("worker", "CompleteWeightUpdate", _complete_update_request),
     _S + "StartSession": _unary(
         "session", "StartSession", _const(spb.StartSessionRequest(task_id="t", request_id="r1"))
     ),
@@ -185,6 +202,12 @@ CALLS: dict[str, Call] = {
     _S + "ListGroups": _unary("session", "ListGroups", _const(spb.ListGroupsRequest())),
     _S + "SubmitRewards": _submit_rewards,
     _S + "SubscribeGroups": _subscribe,
+    _S + "SetTrainerState": _unary(
+        "session", "SetTrainerState", _const(spb.SetTrainerStateRequest(version=1))
+    ),
+    _S + "GetTrainerState": _unary(
+        "session", "GetTrainerState", _const(spb.GetTrainerStateRequest())
+    ),
 }
 
 
@@ -234,6 +257,7 @@ async def test_a_worker_token_acts_only_on_the_worker_ids_it_is_bound_to(
         ("DrainWorker", wpb.DrainWorkerRequest(worker_id="w-other")),
         ("Heartbeat", wpb.HeartbeatRequest(worker_id="w-other")),
         ("GetWorker", wpb.GetWorkerRequest(worker_id="w-other")),
+        ("CompleteWeightUpdate", wpb.CompleteWeightUpdateRequest(worker_id="w-other")),
         (
             "RegisterWorker",
             wpb.RegisterWorkerRequest(worker_id="w-other", address="6.6.6.6:1", capacity=64),

@@ -62,6 +62,10 @@ def test_the_table_grants_what_the_roles_are_for() -> None:
         "ListGroups": {R, T, A},
         "SubmitRewards": {R, A},
         "SubscribeGroups": {T, A},
+        "SetTrainerState": {T, A},
+        "GetTrainerState": {R, T, A},
+        "BeginWeightUpdate": {T, A},
+        "CompleteWeightUpdate": {W, T, A},
     }
 
 
@@ -74,7 +78,13 @@ def test_worker_scoped_rows_are_unary_calls_naming_a_worker() -> None:
             assert "worker_id" in rpc.input_type.fields_by_name, method
             assert Role.WORKER in access.roles, method
     scoped = {m.rsplit("/", 1)[1] for m, a in ACCESS.items() if a.worker_scoped}
-    assert scoped == {"RegisterWorker", "Heartbeat", "DrainWorker", "GetWorker"}
+    assert scoped == {
+        "RegisterWorker",
+        "Heartbeat",
+        "DrainWorker",
+        "GetWorker",
+        "CompleteWeightUpdate",
+    }
 
 
 def test_an_rpc_without_a_row_is_admin_only_and_probes_are_open() -> None:

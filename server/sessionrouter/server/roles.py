@@ -54,6 +54,10 @@ ACCESS: dict[str, Access] = {
     _W + "DeregisterWorker": _allow(),
     _W + "GetWorker": _allow(WORKER, TRAINER, worker_scoped=True),
     _W + "ListWorkers": _allow(TRAINER),
+    # Weight updates: the trainer (or an admin) takes workers out of placement; each worker
+    # reports its own update done (a bound worker token, like Heartbeat), or the trainer does.
+    _W + "BeginWeightUpdate": _allow(TRAINER),
+    _W + "CompleteWeightUpdate": _allow(WORKER, TRAINER, worker_scoped=True),
     # Sessions: rollout clients start, abort and reward them; trainers read.
     _S + "StartSession": _allow(ROLLOUT),
     _S + "StartGroup": _allow(ROLLOUT),
@@ -62,9 +66,12 @@ ACCESS: dict[str, Access] = {
     _S + "GetGroup": _allow(ROLLOUT, TRAINER),
     _S + "ListGroups": _allow(ROLLOUT, TRAINER),
     _S + "SubmitRewards": _allow(ROLLOUT),
-    # The trainer's side: the feed of finished groups (and, as they come, versions and
-    # weight updates).
+    # The trainer's side: the feed of finished groups and the trainer state (version,
+    # staleness policy). Rollout clients may read the state, to see why starts are refused
+    # and when admission reopens; only the trainer sets it.
     _S + "SubscribeGroups": _allow(TRAINER),
+    _S + "SetTrainerState": _allow(TRAINER),
+    _S + "GetTrainerState": _allow(ROLLOUT, TRAINER),
 }
 """Every RPC of SessionService and WorkerService -> who may call it (admin in every row)."""
 
