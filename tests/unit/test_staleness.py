@@ -226,6 +226,19 @@ async def test_a_start_that_waits_gives_up_with_the_refusal_at_its_deadline() ->
         await router.start_when_admitted(lambda: start(router), 0.2)
 
 
+async def test_a_waiting_start_is_refused_at_once_when_the_router_stops_accepting() -> None:
+    router = make_router()
+    router.set_trainer_state(0, StalenessPolicy(0, 1))
+    start(router)
+    waiting = asyncio.create_task(router.start_when_admitted(lambda: start(router), 30.0))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    router.stop_accepting()  # a drain: the start gets SHUTTING_DOWN now, not at its deadline
+    with pytest.raises(Unavailable) as info:
+        await asyncio.wait_for(waiting, 1.0)
+    assert info.value.reason == "SHUTTING_DOWN"
+
+
 # -- versions on workers, sessions and results ------------------------------------------------
 
 

@@ -186,10 +186,12 @@ class SessionRouter:
 
     def stop_accepting(self) -> None:
         """Refuses new sessions from now on (draining for shutdown, or a failed journal);
-        rewards, lookups and aborts still work."""
+        rewards, lookups and aborts still work. Starts waiting for admission are woken, to be
+        refused now rather than at their deadline."""
         self._accepting = False
         self._stopped = True
         self._refusal = ("SHUTTING_DOWN", "the router is shutting down and takes no new sessions")
+        self._notify_admission()
 
     def pause_accepting(self, reason: str, message: str) -> None:
         """Refuses new sessions (Unavailable ``reason``) until ``resume_accepting``: a
@@ -197,6 +199,7 @@ class SessionRouter:
         if not self._stopped:
             self._accepting = False
             self._refusal = (reason, message)
+            self._notify_admission()  # a waiting start gets this refusal now
 
     def resume_accepting(self) -> None:
         """Ends a pause; a router that stopped accepting for good stays stopped."""
