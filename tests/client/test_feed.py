@@ -315,7 +315,8 @@ async def test_skip_degenerate_is_asked_for_counted_and_resumed_past(
             )
         )
         await trainer.has_read(1)
-        send(spb.SubscribeGroupsResponse(skipped_degenerate=3, last_cursor=6))  # only skipped
+        # Only skipped, by both filters: on_skipped hears them together.
+        send(spb.SubscribeGroupsResponse(skipped_degenerate=1, skipped_groups=2, last_cursor=6))
         async with asyncio.timeout(5):  # read before the end, as on a real channel
             await both_skips.wait()
         rpc.terminate((), UNAVAILABLE, "router restarting")  # type: ignore[attr-defined]
@@ -325,10 +326,13 @@ async def test_skip_degenerate_is_asked_for_counted_and_resumed_past(
         return [one, two]
 
     results, requests = await asyncio.gather(
-        trainer.first(2, skip_degenerate=True, on_skipped=on_skipped),
+        trainer.first(2, skip_degenerate=True, min_version=5, on_skipped=on_skipped),
         router(),
     )
     assert [r.cursor for r in results] == [2, 7]
     assert skipped == [(1, 2), (3, 6)]
     # The reconnect resumes after the skipped groups, and still asks to skip.
-    assert [(r.after_cursor, r.skip_degenerate) for r in requests] == [(0, True), (6, True)]
+    assert [(r.after_cursor, r.skip_degenerate, r.min_version) for r in requests] == [
+        (0, True, 5),
+        (6, True, 5),
+    ]

@@ -15,6 +15,7 @@ import pytest
 from sessionrouter.server.journal.integrity import COMMITTED_FILE, IDENTITY_FILE
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
+from tests.journal_v3 import downgrade_to_3
 from tests.router_process import RouterProcess
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
@@ -132,15 +133,12 @@ def test_state_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
     assert router.stop() == 0
 
 
-def test_a_version_2_journal_is_upgraded_and_given_an_identity(tmp_path: Path) -> None:
+def test_a_version_2_journal_is_upgraded_to_4_and_given_an_identity(tmp_path: Path) -> None:
     router = _router(tmp_path)
     _groups_with_rewards(router.start(), 2)
     assert router.stop() == 0
     state = tmp_path / "state"
-    with sqlite3.connect(state / "journal.db") as con:  # what a version 2 journal looked like
-        con.execute("DELETE FROM meta WHERE key='journal_id'")
-        con.execute("UPDATE meta SET value=2 WHERE key='schema_version'")
-    con.close()
+    downgrade_to_3(state, version=2)  # what a version 2 journal looked like
     (state / IDENTITY_FILE).unlink()
     (state / COMMITTED_FILE).unlink()
 
@@ -152,4 +150,4 @@ def test_a_version_2_journal_is_upgraded_and_given_an_identity(tmp_path: Path) -
     with sqlite3.connect(state / "journal.db") as con:
         meta = dict(con.execute("SELECT key, value FROM meta").fetchall())
     con.close()
-    assert meta["schema_version"] == 3 and meta["journal_id"] == journal_id
+    assert meta["schema_version"] == 4 and meta["journal_id"] == journal_id

@@ -194,6 +194,50 @@ async def test_results_carry_versions_and_the_feed_skips_older_groups(fleet: Har
     assert message.skipped_groups == 1 and message.last_cursor == 2
 
 
+async def test_the_version_filter_and_skip_degenerate_combine_on_the_feed(fleet: Harness) -> None:
+    """Four groups: old or fresh (min_version below 2 or not), degenerate or not. A group
+    either filter leaves out is skipped, counted once (skipped_groups for the version filter,
+    which is checked first), and last_cursor covers them all."""
+    entries: list[spb.RewardEntry] = []
+    kinds = [(1, True), (1, False), (2, True), (2, False)]  # (version, degenerate)
+    groups: list[str] = []
+    for version, degenerate in kinds:
+        group = (await fleet.sessions.StartGroup(group_request())).group
+        groups.append(group.group_id)
+        for i, member in enumerate(group.members):
+            reward = 1.0 if degenerate else float(i)
+            entries.append(
+                spb.RewardEntry(
+                    session=member.name, reward=reward, min_version=version, max_version=version
+                )
+            )
+    call = fleet.sessions.SubmitRewards()
+    await call.write(spb.SubmitRewardsRequest(entries=entries, sequence=1))
+    await call.done_writing()
+    async for _ in call:
+        pass
+    for request, kept, versions, degenerates in [
+        (spb.SubscribeGroupsRequest(min_version=2, skip_degenerate=True), [3], 2, 1),
+        (spb.SubscribeGroupsRequest(min_version=2), [2, 3], 2, 0),
+        (spb.SubscribeGroupsRequest(skip_degenerate=True), [1, 3], 0, 2),
+        (spb.SubscribeGroupsRequest(), [0, 1, 2, 3], 0, 0),
+    ]:
+        feed = fleet.sessions.SubscribeGroups(request)
+        message = await asyncio.wait_for(feed.read(), 5)
+        feed.cancel()
+        assert isinstance(message, spb.SubscribeGroupsResponse)
+        assert [g.group_id for g in message.groups] == [groups[i] for i in kept]
+        assert (message.skipped_groups, message.skipped_degenerate) == (versions, degenerates)
+        assert message.last_cursor == 4
+    feed = fleet.sessions.SubscribeGroups(  # resuming past the last group delivered
+        spb.SubscribeGroupsRequest(after_cursor=3, min_version=2, skip_degenerate=True)
+    )
+    message = await asyncio.wait_for(feed.read(), 5)
+    feed.cancel()
+    assert isinstance(message, spb.SubscribeGroupsResponse)
+    assert [g.cursor for g in message.groups] == [4] and message.last_cursor == 4
+
+
 async def test_the_client_api_steps_the_trainer_and_runs_a_weight_update(
     fleet: Harness,
 ) -> None:

@@ -1,4 +1,4 @@
-"""The journal keeps versions, the trainer state and an update in progress (schema 2)."""
+"""The journal keeps versions, the trainer state and an update in progress (schema 4)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def scripted(router: SessionRouter, between: Callable[[], None]) -> tuple[str, s
     still_open = router.start_group(StartGroupCommand("t", 2)).group
     between()
     a, b = done.members
-    router.submit_rewards([(a.name, 1.0, 4, 5), (b.name, 0.5)])
+    router.submit_rewards([(a.name, 1.0, None, 4, 5), (b.name, 0.5)])
     router.finalizer.drain()
     router.begin_weight_update(7, [], interrupt_sessions=True)
     router.complete_weight_update("w0", 7)
@@ -73,7 +73,7 @@ def test_a_version_1_journal_is_refused_with_a_message_naming_the_file(tmp_path:
     con.execute("UPDATE meta SET value=1 WHERE key='schema_version'")
     con.commit()
     con.close()
-    with pytest.raises(JournalError, match="older sessionrouter") as info:
+    with pytest.raises(JournalError, match="schema version 1 is not supported") as info:
         SqliteJournal(tmp_path)
     message = str(info.value)
     assert str(path) in message and "schema version 1" in message
