@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from simulate_staleness import simulate
 
+from sessionrouter.server import convert
 from sessionrouter.server.core.clock import ManualClock
 from sessionrouter.server.core.commands import OptionsSpec, StartGroupCommand, StartSessionCommand
 from sessionrouter.server.core.errors import (
@@ -22,7 +23,12 @@ from sessionrouter.server.core.feed import GroupOutcome
 from sessionrouter.server.core.groups import GroupState
 from sessionrouter.server.core.rewards import RewardStatus
 from sessionrouter.server.core.router import RouterSettings, SessionRouter
-from sessionrouter.server.core.staleness import StalenessGate, StalenessPolicy
+from sessionrouter.server.core.staleness import (
+    MAX_BATCH_SIZE,
+    MAX_STALENESS,
+    StalenessGate,
+    StalenessPolicy,
+)
 from sessionrouter.server.journal import SqliteJournal
 
 SETTINGS = RouterSettings(
@@ -434,3 +440,45 @@ def test_options_for_a_new_group_do_not_bypass_admission() -> None:
     router.start_group(StartGroupCommand("t", 1, options=OptionsSpec(deadline_s=5.0)))
     with pytest.raises(ResourceExhausted):
         router.start_group(StartGroupCommand("t", 1, options=OptionsSpec(deadline_s=5.0)))
+
+
+def test_versions_beyond_what_the_journal_stores_are_refused_and_change_nothing(
+    tmp_path: Path,
+) -> None:
+    """Versions are uint64 on the wire but SQLite INTEGER (signed 64 bits) in the journal:
+    above 2**63 - 1 each way in is refused, before anything changes."""
+    journal = SqliteJournal(tmp_path)
+    router = SessionRouter(SETTINGS, ManualClock(), journal)
+    router.register_worker("w0", "10.0.0.0:1", 8, {}, policy_version=1)
+    too_big = 2**64 - 1
+    for call in (
+        lambda: router.register_worker("w9", "10.0.0.9:1", 1, {}, policy_version=too_big),
+        lambda: router.heartbeat("w0", too_big),
+        lambda: router.set_trainer_state(too_big),
+        lambda: router.begin_weight_update(too_big, [], interrupt_sessions=False),
+    ):
+        with pytest.raises(InvalidArgument) as info:
+            call()
+        assert info.value.reason == "VERSION_TOO_LARGE"
+    assert router.workers.find("w9") is None and router.get_worker("w0").policy_version == 1
+    assert router.trainer.version == 0 and router.weight_update is None
+    router.begin_weight_update(2, ["w0"], interrupt_sessions=False)
+    with pytest.raises(InvalidArgument, match="largest policy version"):
+        router.complete_weight_update("w0", too_big)
+    assert router.get_worker("w0").updating_to == 2
+    router.complete_weight_update("w0", 2)
+    (member,) = router.groups.get(start(router, size=1)).members
+    (outcome,) = router.submit_rewards([(member.name, 1.0, None, 0, too_big)])
+    assert outcome.status is RewardStatus.INVALID_VERSIONS and member.reward is None
+    largest = 2**63 - 1  # the largest is taken, and journaled
+    router.heartbeat("w0", largest)
+    router.set_trainer_state(largest, StalenessPolicy(MAX_STALENESS, MAX_BATCH_SIZE))
+    assert convert.trainer_state_to_proto(router).admission_limit == 2**64 - 1  # saturated
+    journal.write_pending()
+    journal.close_now()
+    again = SqliteJournal(tmp_path)
+    restored = SessionRouter(SETTINGS, ManualClock(), again)
+    restored.restore(again.load())
+    assert restored.trainer.version == largest
+    assert restored.get_worker("w0").policy_version == largest
+    again.close_now()

@@ -62,6 +62,10 @@ def duration(seconds: float) -> duration_pb2.Duration:
     return d
 
 
+_UINT64_MAX = 2**64 - 1
+"""Largest uint64: a proto field set above it raises instead of wrapping."""
+
+
 def worker_to_proto(w: WorkerRecord) -> pb.Worker:
     return pb.Worker(
         worker_id=w.worker_id,
@@ -190,7 +194,7 @@ def trainer_state_to_proto(r: router.SessionRouter) -> pb.TrainerState:
         refuse_mixed_versions=gate.refuse_mixed_versions,
         groups_started=gate.started,
         groups_dropped=gate.dropped,
-        admission_limit=gate.limit,
+        admission_limit=min(gate.limit, _UINT64_MAX),  # (v + k + 1) * B can pass 2**64
         weight_update_version=update.version if update else 0,
         weight_update_fleet_wide=update.fleet_wide if update else False,
         workers_updating=snap.workers_updating,

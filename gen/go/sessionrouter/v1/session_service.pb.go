@@ -977,7 +977,8 @@ type RewardEntry struct {
 	FilterMetric *float64 `protobuf:"fixed64,20,opt,name=filter_metric,json=filterMetric,proto3,oneof" json:"filter_metric,omitempty"`
 	// The oldest and newest policy versions the generation used, when it swapped weights
 	// mid-session; 0 and 0 keep the session's start version. One of them 0 means it equals
-	// the other; min_version above max_version is REWARD_STATUS_INVALID_VERSIONS.
+	// the other; min_version above max_version, or either above 2^63 - 1, is
+	// REWARD_STATUS_INVALID_VERSIONS.
 	MinVersion    uint64 `protobuf:"varint,40,opt,name=min_version,json=minVersion,proto3" json:"min_version,omitempty"`
 	MaxVersion    uint64 `protobuf:"varint,41,opt,name=max_version,json=maxVersion,proto3" json:"max_version,omitempty"`
 	unknownFields protoimpl.UnknownFields
@@ -1510,7 +1511,8 @@ func (x *SubscribeGroupsResponse) GetSkippedGroups() uint64 {
 
 type SetTrainerStateRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// The trainer's current policy version; never lower than the one the router holds.
+	// The trainer's current policy version; never lower than the one the router holds, at
+	// most 2^63 - 1.
 	Version uint64 `protobuf:"varint,1,opt,name=version,proto3" json:"version,omitempty"`
 	// The staleness policy to put in force; unset keeps the current one.
 	Policy *StalenessPolicy `protobuf:"bytes,2,opt,name=policy,proto3" json:"policy,omitempty"`

@@ -35,7 +35,8 @@ type RegisterWorkerRequest struct {
 	// Free-form labels; see Worker.labels for limits.
 	Labels map[string]string `protobuf:"bytes,4,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// The policy version the worker serves; 0 means unknown (keeps the one held). Lower than
-	// the held version is FAILED_PRECONDITION (VERSION_BACKWARDS).
+	// the held version is FAILED_PRECONDITION (VERSION_BACKWARDS). Every policy version is at
+	// most 2^63 - 1 (the journal's integer); above is INVALID_ARGUMENT (VERSION_TOO_LARGE).
 	PolicyVersion uint64 `protobuf:"varint,40,opt,name=policy_version,json=policyVersion,proto3" json:"policy_version,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -164,7 +165,8 @@ type HeartbeatRequest struct {
 	WorkerId string                 `protobuf:"bytes,1,opt,name=worker_id,json=workerId,proto3" json:"worker_id,omitempty"`
 	// The policy version the worker serves now; 0 keeps the one held. Lower than the held
 	// version is FAILED_PRECONDITION (VERSION_BACKWARDS) and records nothing; the target
-	// version of a weight update in progress (or newer) completes the update.
+	// version of a weight update in progress (or newer) completes the update. At most
+	// 2^63 - 1.
 	PolicyVersion uint64 `protobuf:"varint,40,opt,name=policy_version,json=policyVersion,proto3" json:"policy_version,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -650,7 +652,8 @@ func (x *ListWorkersResponse) GetNextPageToken() string {
 
 type BeginWeightUpdateRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// The version the workers move to; at least 1, above each selected worker's version.
+	// The version the workers move to; at least 1 and at most 2^63 - 1, above each selected
+	// worker's version.
 	Version uint64 `protobuf:"varint,1,opt,name=version,proto3" json:"version,omitempty"`
 	// The workers to update; empty selects every registered worker (a fleet-wide update).
 	WorkerIds []string `protobuf:"bytes,2,rep,name=worker_ids,json=workerIds,proto3" json:"worker_ids,omitempty"`
@@ -769,8 +772,8 @@ func (x *BeginWeightUpdateResponse) GetInterruptedSessions() uint32 {
 type CompleteWeightUpdateRequest struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	WorkerId string                 `protobuf:"bytes,1,opt,name=worker_id,json=workerId,proto3" json:"worker_id,omitempty"`
-	// The version the worker now serves; 0 means the update's target. Lower than the target
-	// is INVALID_ARGUMENT.
+	// The version the worker now serves; 0 means the update's target. Lower than the target,
+	// or above 2^63 - 1, is INVALID_ARGUMENT.
 	Version       uint64 `protobuf:"varint,2,opt,name=version,proto3" json:"version,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

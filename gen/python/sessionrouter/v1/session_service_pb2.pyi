@@ -571,7 +571,8 @@ class RewardEntry(_message.Message):
     min_version: _builtins.int
     """The oldest and newest policy versions the generation used, when it swapped weights
     mid-session; 0 and 0 keep the session's start version. One of them 0 means it equals
-    the other; min_version above max_version is REWARD_STATUS_INVALID_VERSIONS.
+    the other; min_version above max_version, or either above 2^63 - 1, is
+    REWARD_STATUS_INVALID_VERSIONS.
     """
     max_version: _builtins.int
     def __init__(
@@ -845,7 +846,9 @@ class SetTrainerStateRequest(_message.Message):
     RESET_COUNTERS_FIELD_NUMBER: _builtins.int
     REFUSE_MIXED_VERSIONS_FIELD_NUMBER: _builtins.int
     version: _builtins.int
-    """The trainer's current policy version; never lower than the one the router holds."""
+    """The trainer's current policy version; never lower than the one the router holds, at
+    most 2^63 - 1.
+    """
     clear_policy: _builtins.bool
     """Removes the policy (no limit any more); policy must then be unset."""
     reset_counters: _builtins.bool

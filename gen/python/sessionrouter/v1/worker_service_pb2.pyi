@@ -57,7 +57,8 @@ class RegisterWorkerRequest(_message.Message):
     """Concurrent sessions the worker runs; 1 to 1,000,000."""
     policy_version: _builtins.int
     """The policy version the worker serves; 0 means unknown (keeps the one held). Lower than
-    the held version is FAILED_PRECONDITION (VERSION_BACKWARDS).
+    the held version is FAILED_PRECONDITION (VERSION_BACKWARDS). Every policy version is at
+    most 2^63 - 1 (the journal's integer); above is INVALID_ARGUMENT (VERSION_TOO_LARGE).
     """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -116,7 +117,8 @@ class HeartbeatRequest(_message.Message):
     policy_version: _builtins.int
     """The policy version the worker serves now; 0 keeps the one held. Lower than the held
     version is FAILED_PRECONDITION (VERSION_BACKWARDS) and records nothing; the target
-    version of a weight update in progress (or newer) completes the update.
+    version of a weight update in progress (or newer) completes the update. At most
+    2^63 - 1.
     """
     def __init__(
         self,
@@ -335,7 +337,9 @@ class BeginWeightUpdateRequest(_message.Message):
     WORKER_IDS_FIELD_NUMBER: _builtins.int
     INTERRUPT_SESSIONS_FIELD_NUMBER: _builtins.int
     version: _builtins.int
-    """The version the workers move to; at least 1, above each selected worker's version."""
+    """The version the workers move to; at least 1 and at most 2^63 - 1, above each selected
+    worker's version.
+    """
     interrupt_sessions: _builtins.bool
     """Mark the open sessions of the selected workers interrupted (Session.interrupted)
     instead of leaving them running unmarked.
@@ -393,8 +397,8 @@ class CompleteWeightUpdateRequest(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     version: _builtins.int
-    """The version the worker now serves; 0 means the update's target. Lower than the target
-    is INVALID_ARGUMENT.
+    """The version the worker now serves; 0 means the update's target. Lower than the target,
+    or above 2^63 - 1, is INVALID_ARGUMENT.
     """
     def __init__(
         self,

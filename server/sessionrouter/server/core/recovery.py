@@ -1,8 +1,7 @@
 """Rebuilding a router's state from what a journal read back, before it serves.
 
 - Workers come back unhealthy (and keep their drain state, policy version and weight update)
-  until they heartbeat or register
-  again; their open sessions hold their slots meanwhile.
+  until they heartbeat or register again; their open sessions hold their slots meanwhile.
 - Groups keep their members, rewards and request ids; deadlines, stored as wall time, are
   converted to this process's monotonic clock, so they keep counting across the restart (a
   deadline that passed while the router was down fires at the next expiry tick).

@@ -89,6 +89,7 @@ from sessionrouter.server.core.streams import (
 )
 from sessionrouter.server.core.validation import (
     ID_MAX_LEN,
+    MAX_POLICY_VERSION,
     MAX_REWARD_MAGNITUDE,
     REASON_MAX_LEN,
     check_id,
@@ -852,6 +853,11 @@ class SessionRouter:
         if len(entry) < 5:
             return self._submit_one(name, reward, metric, origin)
         low, high = entry[3] or entry[4], entry[4] or entry[3]
+        if high > MAX_POLICY_VERSION:
+            return RewardOutcome(
+                RewardStatus.INVALID_VERSIONS,
+                f"max_version {high} is above the largest policy version {MAX_POLICY_VERSION}",
+            )
         if low > high:
             return RewardOutcome(
                 RewardStatus.INVALID_VERSIONS,

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sessionrouter.server.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from sessionrouter.server.core.validation import check_version
 
 MAX_BATCH_SIZE = 1_000_000
 MAX_STALENESS = 1_000_000
@@ -117,6 +118,7 @@ class StalenessGate:
         refuse_mixed_versions: bool | None,
     ) -> None:
         """Applies a SetTrainerState, all checks first so that a refusal changes nothing."""
+        check_version("version", version)
         if version < self.version:
             raise FailedPrecondition(
                 "VERSION_BACKWARDS",

@@ -24,6 +24,9 @@ MAX_GROUP_SIZE = 1024
 MAX_CAPACITY = 1_000_000
 MAX_DEADLINE_S = 24 * 3600.0
 MAX_REWARD_MAGNITUDE = 1e100
+MAX_POLICY_VERSION = 2**63 - 1
+"""Largest policy version: the journal stores versions as SQLite INTEGER (signed 64 bits), so
+a uint64 above it is refused where it comes in rather than failing the journal later."""
 """Largest |reward| accepted. Beyond it a group's sums of squares (up to 1,024 members, and
 a micro-batch's for batch_std) could overflow float64 and publish an infinite std or NaN
 advantages; under it every statistic stays finite with a margin of 10**100."""
@@ -129,5 +132,17 @@ def check_range(field: str, value: float, low: float, high: float) -> None:
             "OUT_OF_BOUNDS",
             f"{field} {problem}",
             metadata={"field": field, "value": value, "min": low, "max": high},
+            field_violations=[(field, problem)],
+        )
+
+
+def check_version(field: str, value: int) -> None:
+    """InvalidArgument VERSION_TOO_LARGE for a policy version above ``MAX_POLICY_VERSION``."""
+    if value > MAX_POLICY_VERSION:
+        problem = f"is {value}, above the largest policy version {MAX_POLICY_VERSION} (2**63 - 1)"
+        raise InvalidArgument(
+            "VERSION_TOO_LARGE",
+            f"{field} {problem}",
+            metadata={"field": field, "value": value, "max": MAX_POLICY_VERSION},
             field_violations=[(field, problem)],
         )

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sessionrouter.server.core.errors import FailedPrecondition, InvalidArgument, Unavailable
-from sessionrouter.server.core.validation import check_id
+from sessionrouter.server.core.validation import check_id, check_version
 from sessionrouter.server.core.workers import WorkerRecord, WorkerRegistry
 
 
@@ -32,6 +32,7 @@ def select_for_update(
 ) -> list[WorkerRecord]:
     """The workers a BeginWeightUpdate selects, every check done before anything changes:
     a version of 0, an unknown worker, or one already at or past ``version``, is refused."""
+    check_version("version", version)
     if version < 1:
         raise InvalidArgument(
             "INVALID_VERSION",
@@ -68,6 +69,7 @@ def select_for_update(
 
 def check_completion(worker: WorkerRecord, version: int) -> int:
     """The version a CompleteWeightUpdate leaves ``worker`` at (0 means the target)."""
+    check_version("version", version)
     if not worker.updating_to:
         raise FailedPrecondition(
             "WORKER_NOT_UPDATING",

@@ -35,6 +35,7 @@ from sessionrouter.server.core.validation import (
     check_range,
     check_string_map,
     check_text,
+    check_version,
 )
 
 Selector = tuple[tuple[str, str], ...]
@@ -227,6 +228,7 @@ class WorkerRegistry:
         check_id("worker_id", worker_id)
         check_text("address", address, ADDRESS_MAX_LEN, required=True)
         check_range("capacity", capacity, 1, MAX_CAPACITY)
+        check_version("policy_version", policy_version)
         labels = check_string_map("labels", labels, LABEL_VALUE_MAX_LEN)
         worker = self._workers.get(worker_id)
         if worker is not None and worker.address != address:
@@ -296,6 +298,7 @@ class WorkerRegistry:
         means it had been unhealthy. A version lower than held is refused before anything is
         recorded; the target version of the worker's weight update (or a newer one) ends
         the update."""
+        check_version("policy_version", policy_version)
         worker = self.get(worker_id)
         check_version_forward(worker, policy_version)
         recovered = not worker.healthy
