@@ -16,17 +16,20 @@
 PROTOC_GEN_GO_VERSION := v1.36.12
 PROTOC_GEN_GO_GRPC_VERSION := v1.6.2
 GHZ_VERSION := v0.120.0
+GRPCURL_VERSION := v1.9.4
 
 STAMPS := $(TOOLS)/stamps
 GO_CLIENT := clients/go
 NODE_CLIENT := clients/node
 JAVA_CLIENT := clients/java
 GHZ := $(TOOLS)/bin/ghz
+GRPCURL := $(TOOLS)/bin/grpcurl
 MVN_FLAGS := -q -B -ntp -Dstyle.color=never
 
 PROTOC_GEN_GO_STAMP := $(STAMPS)/protoc-gen-go-$(PROTOC_GEN_GO_VERSION)
 PROTOC_GEN_GO_GRPC_STAMP := $(STAMPS)/protoc-gen-go-grpc-$(PROTOC_GEN_GO_GRPC_VERSION)
 GHZ_STAMP := $(STAMPS)/ghz-$(GHZ_VERSION)
+GRPCURL_STAMP := $(STAMPS)/grpcurl-$(GRPCURL_VERSION)
 GO_MODULE := gen/go
 GO_MODULE_FILES := $(shell find $(GO_MODULE) -type f 2>/dev/null)
 GO_CLIENT_BIN := $(GO_CLIENT)/bin/interop-client
@@ -39,7 +42,7 @@ JAVA_SOURCES := $(shell find $(JAVA_CLIENT)/src -name '*.java' 2>/dev/null)
 
 
 .PHONY: proto-release
-.PHONY: interop-deps stubs stubs-go stubs-go-check stubs-node stubs-java interop-go interop-node interop-java ghz \
+.PHONY: interop-deps stubs stubs-go stubs-go-check stubs-node stubs-java interop-go interop-node interop-java ghz grpcurl \
 	loadtest loadtest-smoke lint-proto-breaking clean-polyglot
 
 # --- pinned Go-built tools, one stamp per version ---------------------------------------------
@@ -57,6 +60,12 @@ $(GHZ_STAMP):
 	@mkdir -p $(STAMPS) && touch $@
 
 ghz: $(GHZ_STAMP)  ## install ghz (pinned) into .tools/bin
+
+$(GRPCURL_STAMP):
+	GOBIN=$(TOOLS)/bin go install github.com/fullstorydev/grpcurl/cmd/grpcurl@$(GRPCURL_VERSION)
+	@mkdir -p $(STAMPS) && touch $@
+
+grpcurl: $(GRPCURL_STAMP)  ## install grpcurl (pinned) into .tools/bin (the reflection tests run it)
 
 # --- stubs ------------------------------------------------------------------------------------
 
@@ -128,7 +137,7 @@ INTEROP_TOOLS_go := go
 INTEROP_TOOLS_node := node npm
 INTEROP_TOOLS_java := java mvn
 
-interop-deps:  ## build the Go, Node and Java clients and ghz (what tests/interop runs)
+interop-deps:  ## build the Go, Node and Java clients, ghz and grpcurl (what tests/interop runs)
 ifeq ($(SESSIONROUTER_SKIP_INTEROP),1)
 	@echo "interop-deps: SESSIONROUTER_SKIP_INTEROP=1, not building the interop clients"
 else
@@ -141,8 +150,8 @@ else
 	      "(tests/interop will fail; SESSIONROUTER_SKIP_INTEROP=1 skips them)"; \
 	  else $(MAKE) --no-print-directory interop-$$lang; fi; \
 	done; \
-	if command -v go > /dev/null; then $(MAKE) --no-print-directory ghz; \
-	else echo "interop-deps: WARNING: not installing ghz, go missing on PATH"; fi
+	if command -v go > /dev/null; then $(MAKE) --no-print-directory ghz grpcurl; \
+	else echo "interop-deps: WARNING: not installing ghz and grpcurl, go missing on PATH"; fi
 endif
 
 # --- load tests -------------------------------------------------------------------------------

@@ -55,6 +55,38 @@ async def test_reflection_lists_the_services_like_grpcurl_would(harness: Harness
     assert "SubmitRewards" in methods and "StartGroup" in methods
 
 
+def _file_of(address: str, symbol: str) -> str:
+    with grpc.insecure_channel(address) as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        name: str = db.FindFileContainingSymbol(symbol).name
+        return name
+
+
+async def test_reflection_names_the_file_of_a_method_as_grpcurl_and_ghz_ask() -> None:
+    """The descriptor pool does not know methods as symbols; the router answers with the file
+    of their service (what ``grpcurl describe SERVICE.METHOD`` and ``ghz --call`` ask)."""
+    h = await start_harness()
+    try:
+        for symbol, file in (
+            (
+                "sessionrouter.v1.SessionService.StartSession",
+                "sessionrouter/v1/session_service.proto",
+            ),
+            ("sessionrouter.v1.WorkerService.Heartbeat", "sessionrouter/v1/worker_service.proto"),
+            ("sessionrouter.v1.Worker.LabelsEntry", "sessionrouter/v1/resources.proto"),
+            ("grpc.health.v1.Health.Watch", "grpc_health/v1/health.proto"),
+        ):
+            assert await asyncio.to_thread(_file_of, h.address, symbol) == file
+        for unknown in (
+            "sessionrouter.v1.SessionService.Nope",
+            "sessionrouter.v1.Nope.StartSession",
+        ):
+            with pytest.raises(KeyError):
+                await asyncio.to_thread(_file_of, h.address, unknown)
+    finally:
+        await stop_harness(h)
+
+
 async def test_token_auth_refuses_calls_without_the_token_but_not_health() -> None:
     h = await start_harness(
         tokens=TokenTable.parse("s3cret"), workers=(WorkerSpec("w", "10.0.0.1:1", 4),)

@@ -35,9 +35,9 @@ from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client.registry import CollectorRegistry
 
+from sessionrouter.server import reflection
 from sessionrouter.server.auth import RoleAuthInterceptor
 from sessionrouter.server.config import JournalConfig, ServerConfig, WorkerSpec
 from sessionrouter.server.core.clock import Clock
