@@ -26,7 +26,7 @@ from tests.compat.venvs import (
     ensure_venv,
     install_wheel,
 )
-from tests.examples.router_process import ROOT, router_process, run_program
+from tests.examples.programs import ROOT, example_router, run_program
 from tests.examples.test_readme import check_outputs, write_programs
 
 PROBE = Path(__file__).with_name("client_probe.py")
@@ -88,7 +88,7 @@ def test_client_install_runs_the_readme_against_the_router(
     assert serve.stdout == ""
     assert serve.stderr.count("\n") == 1 and 'pip install "sessionrouter[server]"' in serve.stderr
     assert "grpcio-health-checking" in serve.stderr
-    with router_process(tmp_path, persist=True) as address:
+    with example_router(tmp_path, persist=True) as address:
         run_readme_twice(python, address, tmp_path / "readme")
         probe(python, address, tmp_path, pin_set)
         done = run_program([python, ROOT / "examples" / "batch_builder.py"], address, cwd=tmp_path)
@@ -102,7 +102,7 @@ def test_server_extra_serves_old_and_new_clients(
     pin_set: PinSet, wheel: Path, tmp_path: Path
 ) -> None:
     python = prepared(pin_set, wheel)
-    with router_process(tmp_path, persist=True, python=python) as address:
+    with example_router(tmp_path, persist=True, python=python) as address:
         run_readme_twice(python, address, tmp_path / "readme")
         probe(python, address, tmp_path, pin_set)  # its own client
         probe(Path(sys.executable), address, tmp_path, None)  # the main venv's, newest

@@ -1,70 +1,35 @@
-"""A real router in its own process, for programs that run as a user would run them.
+"""Programs run as a user would run them, against a real router in its own process.
 
 The README programs and ``examples/`` are separate processes talking to a router over
-loopback; so is the router here: ``sessionrouter serve`` (or ``python -m
-sessionrouter.server`` of another virtualenv) on ``127.0.0.1:0``, its port read from
-``--port-file`` once it serves, stopped with SIGTERM (the graceful drain) at the end.
+loopback; so is the router (``tests.router_process``, possibly from another virtualenv),
+stopped with SIGTERM (the graceful drain) at the end.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
+
+from tests.router_process import RouterProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@contextmanager
-def router_process(
-    run_dir: Path,
-    *,
-    persist: bool = True,
-    python: str | Path = sys.executable,
-    workers: int = 8,
-    start_timeout_s: float = 60.0,
-) -> Iterator[str]:
-    """Runs a router with ``workers`` demo workers; yields its ``127.0.0.1:PORT``.
-
-    The port file and the router's log go to ``run_dir``, and so does its journal
-    (``run_dir/state``) when ``persist``; otherwise it runs in memory. ``python`` is the
-    interpreter of the virtualenv the router runs from.
-    """
-    port_file = run_dir / "router.port"
-    port_file.unlink(missing_ok=True)
+def example_router(
+    run_dir: Path, *, persist: bool = True, python: str | Path = sys.executable, workers: int = 8
+) -> RouterProcess:
+    """A router with ``workers`` demo workers, its journal in ``run_dir/state`` when
+    ``persist`` (else in memory); ``with example_router(...) as address:`` runs it.
+    ``python`` is the interpreter of the virtualenv the router runs from."""
     state = ["--state-dir", str(run_dir / "state")] if persist else ["--in-memory"]
-    args = [
-        str(python),
-        *("-m", "sessionrouter.server", "serve", "--listen", "127.0.0.1:0"),
-        *("--port-file", str(port_file), "--demo-workers", str(workers)),
-        *("--log-level", "warning", *state),
-    ]
-    with (run_dir / "router.log").open("a") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir)
-        try:
-            deadline = time.monotonic() + start_timeout_s
-            while not (port_file.exists() and port_file.read_text().strip()):
-                if proc.poll() is not None:
-                    log.flush()
-                    out = (run_dir / "router.log").read_text()
-                    raise RuntimeError(f"router exited {proc.returncode} before serving:\n{out}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"router did not serve within {start_timeout_s} s")
-                time.sleep(0.05)
-            yield f"127.0.0.1:{int(port_file.read_text())}"
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+    return RouterProcess(
+        run_dir,
+        *("--demo-workers", str(workers), "--log-level", "warning", *state),
+        python=python,
+    )
 
 
 def run_program(

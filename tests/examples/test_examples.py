@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.examples.router_process import ROOT, router_process, run_program
+from tests.examples.programs import ROOT, example_router, run_program
 
 EXAMPLES = ROOT / "examples"
 EPS = 1e-6  # the router's default GRPO eps; ddof 1
@@ -32,7 +32,7 @@ def grpo_reference(rewards: list[float]) -> list[float]:
 
 @pytest.fixture(scope="module")
 def address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with router_process(tmp_path_factory.mktemp("router"), persist=False, workers=8) as addr:
+    with example_router(tmp_path_factory.mktemp("router"), persist=False, workers=8) as addr:
         yield addr
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.examples.router_process import ROOT, router_process, run_program
+from tests.examples.programs import ROOT, example_router, run_program
 
 README = ROOT / "README.md"
 
@@ -45,7 +45,7 @@ def test_readme_programs_run_twice_against_a_persisted_router(tmp_path: Path) ->
     work.mkdir()
     programs = write_programs(work)
     outputs: list[list[str]] = []
-    with router_process(tmp_path, persist=True) as address:
+    with example_router(tmp_path, persist=True) as address:
         for _ in range(2):
             outputs.append(
                 [run_program([sys.executable, p], address, cwd=work).stdout for p in programs]

@@ -1,8 +1,8 @@
 """Real processes for proxy and restart tests: the router as ``sessionrouter serve``, and nginx.
 
-The router binds 127.0.0.1:0 on its first start (the port is read from ``--port-file``) and
-is restarted on that same port, with the same state directory, as a process manager would
-restart it behind a proxy that knows one upstream address. nginx runs in the foreground
+The router (``tests.router_process``) binds 127.0.0.1:0 on its first start and is restarted
+on that same port, with the same state directory, as a process manager would restart it
+behind a proxy that knows one upstream address. nginx runs in the foreground
 (``daemon off``) with a generated config under a temporary prefix, logs there, and listens on
 a Unix socket in it, so no TCP port is picked for it at all.
 """
@@ -14,12 +14,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-SESSIONROUTER = Path(sys.executable).with_name("sessionrouter")
+from tests.router_process import RouterProcess, static_workers
 
 
 def nginx_binary() -> str:
@@ -30,77 +29,16 @@ def nginx_binary() -> str:
     return found
 
 
-class RouterProcess:
-    """``sessionrouter serve`` with a journal under ``state_dir``; restartable on its port."""
-
-    def __init__(self, workdir: Path, *extra_args: str) -> None:
-        self.workdir = workdir
-        self.state_dir = workdir / "state"
-        self.log = workdir / "router.log"
-        self.extra_args = extra_args
-        self.port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self) -> str:
-        """Starts the router (on its previous port, if it had one); returns its address."""
-        port_file = self.workdir / "router.port"
-        port_file.unlink(missing_ok=True)
-        workers = [f"--worker=w{i}=10.0.0.{i}:1,100000" for i in range(4)]
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    str(SESSIONROUTER),
-                    "serve",
-                    *("--listen", f"127.0.0.1:{self.port}", "--port-file", str(port_file)),
-                    *("--state-dir", str(self.state_dir), "--log-level", "warning"),
-                    *workers,
-                    *self.extra_args,
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-            )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"router exited {self.proc.returncode}: {self.tail()}")
-            with contextlib.suppress(FileNotFoundError):
-                text = port_file.read_text().strip()
-                if text.isdigit():
-                    self.port = int(text)
-                    self.starts += 1
-                    return self.address
-            time.sleep(0.02)
-        raise AssertionError(f"router did not start: {self.tail()}")
-
-    def stop(self) -> int:
-        """SIGTERM (graceful drain); returns the exit code."""
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
-        return self.proc.returncode
-
-    def restart(self) -> float:
-        """Stops and starts again on the same port; returns the seconds it was away."""
-        began = time.monotonic()
-        assert self.stop() == 0, self.tail()
-        self.start()
-        return time.monotonic() - began
-
-    def tail(self) -> str:
-        if not self.log.exists():
-            return ""
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
+def durable_router(workdir: Path, *args: str) -> RouterProcess:
+    """A router with a journal under ``workdir/state`` and four static workers, restarted on
+    the port of its first start."""
+    return RouterProcess(
+        workdir,
+        *("--state-dir", str(workdir / "state"), "--log-level", "warning"),
+        *static_workers(4, 100_000),
+        *args,
+        keep_port=True,
+    )
 
 
 NGINX_CONF = """\
@@ -200,7 +138,7 @@ def router_behind_nginx(
 ) -> Iterator[tuple[RouterProcess, NginxProcess]]:
     """A router process with a journal, and nginx in front of it; both stopped at the end
     (their logs are printed when the test failed, by pytest's captured output)."""
-    router = RouterProcess(workdir, *router_args)
+    router = durable_router(workdir, *router_args)
     nginx = NginxProcess(workdir / "nginx", "", read_timeout_s)
     try:
         router.start()

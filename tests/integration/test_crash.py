@@ -17,10 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import signal
-import subprocess
-import sys
-import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +27,7 @@ import pytest
 from sessionrouter.v1 import resources_pb2 as pb
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
+from tests.router_process import RouterProcess, static_workers
 
 SEED = 20261130
 KILLS = 3
@@ -38,7 +35,6 @@ RUN_S = (1.5, 3.5)
 """How long each run lasts before its SIGKILL, seconds (drawn from the seeded generator)."""
 PRODUCERS = 6
 GROUP_SIZE = 4
-SESSIONROUTER = Path(sys.executable).with_name("sessionrouter")
 
 ACCEPTED = {spb.REWARD_STATUS_ACCEPTED, spb.REWARD_STATUS_DUPLICATE}
 DEAD_ROUTER_CODES = {
@@ -78,61 +74,6 @@ class Observed:
         return [
             n for n in self.groups[group_id] if n not in self.rewarded and n not in self.aborted
         ]
-
-
-class RouterProcess:
-    """`sessionrouter serve` on 127.0.0.1:0 with a state directory and four static workers."""
-
-    def __init__(self, state_dir: Path, log: Path) -> None:
-        self.state_dir = state_dir
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> str:
-        port_file = self.state_dir.parent / "port"
-        port_file.unlink(missing_ok=True)
-        workers = [f"--worker=w{i}=10.0.0.{i}:1,1000000" for i in range(4)]
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    str(SESSIONROUTER),
-                    "serve",
-                    *("--listen", "127.0.0.1:0", "--port-file", str(port_file)),
-                    *("--state-dir", str(self.state_dir), "--log-level", "warning"),
-                    *workers,
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-            )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"router exited {self.proc.returncode}: {self.tail()}")
-            with contextlib.suppress(FileNotFoundError):
-                text = port_file.read_text().strip()
-                if text.isdigit():
-                    return f"127.0.0.1:{text}"
-            time.sleep(0.02)
-        raise AssertionError(f"router did not start: {self.tail()}")
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-
-    def terminate(self) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
-        return self.proc.returncode
-
-    def tail(self) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
 
 
 async def submit(stub: spb_grpc.SessionServiceAsyncStub, seen: Observed, names: list[str]) -> None:
@@ -275,7 +216,11 @@ async def test_kill_9_loses_no_acknowledged_reward_and_finalizes_each_group_once
 ) -> None:
     rng = random.Random(SEED)
     seen = Observed()
-    router = RouterProcess(tmp_path / "state", tmp_path / "router.log")
+    router = RouterProcess(
+        tmp_path,
+        *("--state-dir", str(tmp_path / "state"), "--log-level", "warning"),
+        *static_workers(4, 1_000_000),
+    )
     try:
         for kill in range(KILLS):
             async with grpc.aio.insecure_channel(router.start()) as channel:
@@ -285,7 +230,7 @@ async def test_kill_9_loses_no_acknowledged_reward_and_finalizes_each_group_once
         async with grpc.aio.insecure_channel(router.start()) as channel:
             await finish(channel, seen)
     finally:
-        code = router.terminate()
+        code = router.stop()
     assert code == 0, router.tail()
 
     assert len(seen.groups) > 100, "the runs were too short to test anything"

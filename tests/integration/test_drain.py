@@ -24,7 +24,7 @@ from sessionrouter.server.config import ConfigError, build_config, file_values
 from sessionrouter.server.core.router import RouterSettings
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
-from tests.integration.processes import RouterProcess
+from tests.integration.processes import durable_router
 from tests.support import Harness, details_of, start_harness, stop_harness
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -162,7 +162,7 @@ async def test_a_reward_stream_opened_while_draining_is_told_to_reconnect() -> N
 async def test_sigterm_with_shutdown_delay_reports_not_serving_then_exits_0(
     tmp_path: Path,
 ) -> None:
-    router = RouterProcess(tmp_path, "--shutdown-delay", "2")
+    router = durable_router(tmp_path, "--shutdown-delay", "2")
     address = router.start()
     try:
         assert await health_of(address) == SERVING
