@@ -61,9 +61,7 @@ async def start_harness(
         router=settings or RouterSettings(),
         workers=workers,
         static_workers_heartbeat=False,
-        tick_s=3600.0,
-        grace_s=1.0,
-        **config,  # type: ignore[arg-type]
+        **{"tick_s": 3600.0, "grace_s": 1.0, **config},  # type: ignore[arg-type]
     )
     server = RouterServer(cfg, clock=clock, open_tables=tables or JournalTables)
     port = await server.start()

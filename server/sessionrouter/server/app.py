@@ -38,6 +38,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.registry import CollectorRegistry
 
 from sessionrouter.server import reflection
+from sessionrouter.server.activity import ActivityLog
 from sessionrouter.server.auth import RoleAuthInterceptor
 from sessionrouter.server.config import JournalConfig, ServerConfig, WorkerSpec
 from sessionrouter.server.core.clock import Clock
@@ -101,6 +102,8 @@ class RouterServer:
         self._metrics: RouterCollector | None = None
         self._metrics_http: WSGIServer | None = None
         self.metrics_port = 0
+        self.activity = ActivityLog(config.activity_log_s)
+        """The periodic ``activity`` summary line (see ``sessionrouter.server.activity``)."""
 
     async def start(self) -> int:
         """Recovers from the journal if there is one, binds, starts serving and returns the
@@ -162,6 +165,7 @@ class RouterServer:
             self._serve_metrics(registry)
         await server.start()
         self._server = server
+        self.activity.start(self.router.snapshot())
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._tasks = [
@@ -356,6 +360,8 @@ class RouterServer:
                 self.journal.kick()
             if self._metrics is not None:
                 self._metrics.refresh()
+            if self.activity.due():
+                self.activity.flush(self.router.snapshot())
 
     async def stop(self, grace_s: float | None = None, delay_s: float | None = None) -> None:
         """Shutdown delay, graceful drain, then stop (see the module docstring). ``grace_s``
@@ -391,6 +397,7 @@ class RouterServer:
             self._metrics_http.server_close()
         if self._tracer_provider is not None:
             await asyncio.to_thread(self._tracer_provider.shutdown)
+        self.activity.flush(self.router.snapshot())
         self._stopped.set()
         log.info("stopped", extra={"event": "stopped"})
 

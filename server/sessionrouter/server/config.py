@@ -112,6 +112,9 @@ class ServerConfig:
     example 5 to 15 s in Kubernetes) so that traffic moves away before the listener closes."""
     tick_s: float = 0.25
     """How often heartbeat expiry and group deadlines are checked."""
+    activity_log_s: float = 60.0
+    """Seconds between ``activity`` log lines (sessions, rewards and groups since the
+    previous one: nothing is logged per reward or complete group at info); 0: only at stop."""
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
     max_connection_age_s: float | None = None

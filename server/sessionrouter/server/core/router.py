@@ -969,7 +969,10 @@ class SessionRouter:
         self.finalizer.submit(
             FinishedGroup(group, outcome, counted, excluded, now, origin, self.trainer.version)
         )
-        log.info(
+        # A complete group at debug (the activity line sums them up at info); one that ended
+        # partial or dropped (deadline, aborts, lost workers) at info.
+        log.log(
+            logging.DEBUG if outcome is GroupOutcome.COMPLETE else logging.INFO,
             "group %s",
             outcome.value,
             extra={
