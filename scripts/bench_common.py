@@ -43,20 +43,24 @@ def median(values: Sequence[float]) -> float:
 def server_process(args: Sequence[str], timeout_s: float = 30.0) -> Iterator[str]:
     """Runs a server command that takes ``--port-file`` and yields its ``127.0.0.1:port``.
 
-    The command is stopped with SIGTERM (then SIGKILL) when the block ends."""
+    Its output goes to a file, not a pipe: a router at its default log level writes lines
+    that would fill an unread pipe and stall it. The command is stopped with SIGTERM (then
+    SIGKILL) when the block ends."""
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
-        proc = subprocess.Popen(
-            [*args, "--port-file", str(port_file)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            cwd=ROOT,
-        )
+        log = Path(tmp) / "server.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [*args, "--port-file", str(port_file)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
         try:
             deadline = time.monotonic() + timeout_s
             while not port_file.exists():
                 if proc.poll() is not None:
-                    err = proc.stderr.read().decode() if proc.stderr else ""
+                    err = log.read_text(errors="replace")
                     raise RuntimeError(f"server exited with {proc.returncode}: {err[-2000:]}")
                 if time.monotonic() > deadline:
                     raise TimeoutError("server did not write its port file in time")
@@ -72,17 +76,9 @@ def server_process(args: Sequence[str], timeout_s: float = 30.0) -> Iterator[str
 
 
 def router_command(*extra: str) -> list[str]:
-    """The real router, without a journal (benchmarks of the journal set their own)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "sessionrouter.server",
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--log-level",
-        "warning",
-    ]
+    """The real router at its default settings (the default log level too: what users run),
+    without a journal (benchmarks of the journal set their own)."""
+    cmd = [sys.executable, "-m", "sessionrouter.server", "serve", "--listen", "127.0.0.1:0"]
     if "--in-memory" in _serve_help():
         cmd.append("--in-memory")
     return [*cmd, *extra]

@@ -41,6 +41,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,7 +51,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -125,11 +126,14 @@ class Measurement:
     status_codes: dict[str, int]
     errors: dict[str, int]
     report: str
+    server_cpu_us: float | None = None
+    """Server CPU time (all threads) per request, microseconds; None: not measured."""
 
     def line(self) -> str:
+        cpu = "" if self.server_cpu_us is None else f" cpu {self.server_cpu_us:5.0f} us/req"
         return (
             f"{self.rps:7.1f} req/s p50 {self.p50_ms:6.2f} ms p99 {self.p99_ms:6.2f} ms "
-            f"non-OK {100 * self.non_ok_share:.2f}%"
+            f"non-OK {100 * self.non_ok_share:.2f}%{cpu}"
         )
 
 
@@ -185,9 +189,29 @@ def _read_port(port_file: Path) -> int | None:
     return int(text) if text.isdigit() and int(text) > 0 else None
 
 
+class Server(NamedTuple):
+    address: str
+    pid: int | None
+    """The server's process, for its CPU time; None for a server this script did not start."""
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of process `pid` and all its threads so far (Linux /proc)."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextmanager
-def launched(argv: Sequence[str], port_file: Path, log: Path, timeout: float = 30) -> Iterator[str]:
-    """Starts a server that writes its port to `port_file`; yields `127.0.0.1:PORT`."""
+def launched(
+    argv: Sequence[str], port_file: Path, log: Path, timeout: float = 30
+) -> Iterator[Server]:
+    """Starts a server that writes its port to `port_file`; yields `127.0.0.1:PORT` and
+    its pid."""
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -197,7 +221,7 @@ def launched(argv: Sequence[str], port_file: Path, log: Path, timeout: float = 3
                 tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
                 raise SystemExit(f"loadtest: {' '.join(argv)} did not start:\n{tail}")
             time.sleep(0.05)
-        yield f"127.0.0.1:{port}"
+        yield Server(f"127.0.0.1:{port}", proc.pid)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -288,7 +312,7 @@ def find_tool(explicit: str | None, name: str, env: str) -> str | None:
 
 
 def run_ghz(
-    ghz: str, address: str, server: str, scenario: Scenario, profile: Profile, report: Path
+    ghz: str, target: Server, server: str, scenario: Scenario, profile: Profile, report: Path
 ) -> Measurement:
     argv = [
         ghz,
@@ -312,8 +336,9 @@ def run_ghz(
         "--output",
         str(report),
         *scenario.extra_args,
-        address,
+        target.address,
     ]
+    cpu_before = cpu_seconds(target.pid)
     try:
         done = subprocess.run(
             argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=profile.ghz_timeout_s
@@ -325,7 +350,12 @@ def run_ghz(
             f"loadtest: ghz {scenario.name} exited with {done.returncode}:\n"
             f"{done.stdout[-2000:]}{done.stderr[-2000:]}"
         )
-    return read_report(report, scenario.name, server)
+    measured = read_report(report, scenario.name, server)
+    cpu_after = cpu_seconds(target.pid)
+    if cpu_before is None or cpu_after is None or not measured.count:
+        return measured
+    per_request = (cpu_after - cpu_before) / measured.count * 1e6
+    return dataclasses.replace(measured, server_cpu_us=per_request)
 
 
 def read_report(path: Path, scenario: str, server: str) -> Measurement:
@@ -348,14 +378,25 @@ def read_report(path: Path, scenario: str, server: str) -> Measurement:
 
 
 def load(
-    ghz: str, address: str, server: str, profile: Profile, reports: Path, run_id: str
+    ghz: str,
+    target: Server,
+    server: str,
+    profile: Profile,
+    reports: Path,
+    chosen: list[Scenario],
 ) -> list[Measurement]:
     results = []
-    with registered_workers(address, run_id):
-        for scenario in scenarios(profile, run_id):
+    with registered_workers(target.address, uuid.uuid4().hex[:8]):
+        for scenario in chosen:
             report = reports / f"{scenario.name}-{server}.json"
-            results.append(run_ghz(ghz, address, server, scenario, profile, report))
+            results.append(run_ghz(ghz, target, server, scenario, profile, report))
     return results
+
+
+def median_of(runs: list[Measurement]) -> Measurement:
+    """The run with the median requests/s (the lower middle one for an even count), so its
+    latencies and statuses are those of one real run."""
+    return sorted(runs, key=lambda m: m.rps)[(len(runs) - 1) // 2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -364,59 +405,116 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", help="a running router (HOST:PORT); default: start one")
     parser.add_argument("--ghz", help="ghz binary; default $GHZ, .tools/bin/ghz, then PATH")
     parser.add_argument("--reports-dir", type=Path, help="default reports/ghz/{time}-{profile}")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of router and trivial server, alternating which goes first; medians",
+    )
+    parser.add_argument(
+        "--only",
+        choices=["start_session", "start_group"],
+        help="run one scenario (submit_rewards needs start_group's groups)",
+    )
     args = parser.parse_args(argv)
 
     profile = PROFILES[args.profile]
     ghz = find_tool(args.ghz, "ghz", "GHZ")
     if ghz is None:
         raise SystemExit("loadtest: ghz not found; `make ghz` installs it into .tools/bin")
-    run_id = uuid.uuid4().hex[:8]
     stamp = time.strftime("%Y%m%dT%H%M%S")
     reports: Path = args.reports_dir or REPO_ROOT / "reports" / "ghz" / f"{stamp}-{args.profile}"
     reports.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()[0]
 
-    measurements: dict[str, list[Measurement]] = {}
-    finalized: int | None = None
+    runs: dict[str, dict[str, list[Measurement]]] = {"real": {}, "trivial": {}}
+    finalized = submitted = 0
+    run_ids = []
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ghz-")))
+        addresses: dict[str, Server] = {}
         for server in ("real", "trivial"):
             if server == "real" and args.target:
-                address = args.target
+                addresses[server] = Server(args.target, None)
             else:
                 port_file = tmp / f"{server}.port"
-                address = stack.enter_context(
+                addresses[server] = stack.enter_context(
                     launched(server_argv(server, port_file), port_file, reports / f"{server}.log")
                 )
-            measurements[server] = load(ghz, address, server, profile, reports, run_id)
-            if server == "real":
-                finalized = count_finalized(address, f"sg-{run_id}-")
+        for round_no in range(args.rounds):
+            run_id = uuid.uuid4().hex[:8]
+            run_ids.append(run_id)
+            order = ["real", "trivial"] if round_no % 2 == 0 else ["trivial", "real"]
+            for server in order:
+                round_reports = reports / f"round-{round_no}" if args.rounds > 1 else reports
+                round_reports.mkdir(exist_ok=True)
+                chosen = [s for s in scenarios(profile, run_id) if args.only in (None, s.name)]
+                measured = load(ghz, addresses[server], server, profile, round_reports, chosen)
+                for m in measured:
+                    runs[server].setdefault(m.scenario, []).append(m)
+                if server == "real" and args.only is None:
+                    finalized += count_finalized(addresses[server].address, f"sg-{run_id}-")
+                    submitted += measured[-1].count
 
     rows = []
-    print(f"ghz {args.profile}: concurrency {profile.concurrency}, group size {GROUP_SIZE}")
-    for real, trivial in zip(measurements["real"], measurements["trivial"], strict=True):
+    print(
+        f"ghz {args.profile}: concurrency {profile.concurrency}, group size {GROUP_SIZE}, "
+        f"{args.rounds} round(s) alternating router and trivial server (medians), "
+        f"load {load_before:.2f} before, {os.getloadavg()[0]:.2f} after"
+    )
+    for name, real_runs in runs["real"].items():
+        trivial_runs = runs["trivial"][name]
+        real, trivial = median_of(real_runs), median_of(trivial_runs)
         ratio = real.rps / trivial.rps if trivial.rps else float("nan")
         print(
             f"{real.scenario:<14s} n={real.count:<5d} router {real.line()} | "
             f"trivial {trivial.line()} | ratio {ratio:.2f}"
         )
-        if real.non_ok_share:
-            print(f"{'':14s} router statuses {real.status_codes} errors {real.errors}")
+        if args.rounds > 1:
+            per_round = [
+                r.rps / t.rps if t.rps else float("nan")
+                for r, t in zip(real_runs, trivial_runs, strict=True)
+            ]
+            print(
+                f"{'':14s} per round: router {[round(r.rps) for r in real_runs]} req/s, "
+                f"trivial {[round(t.rps) for t in trivial_runs]} req/s, "
+                f"ratios {[round(x, 2) for x in per_round]}"
+            )
+        cpu_real = [m.server_cpu_us for m in real_runs if m.server_cpu_us is not None]
+        cpu_trivial = [m.server_cpu_us for m in trivial_runs if m.server_cpu_us is not None]
+        cpu_ratio = float("nan")
+        if cpu_real and cpu_trivial:
+            cpu_ratio = statistics.median(cpu_trivial) / statistics.median(cpu_real)
+            print(
+                f"{'':14s} server cpu per request (medians): router "
+                f"{statistics.median(cpu_real):.0f} us, trivial "
+                f"{statistics.median(cpu_trivial):.0f} us, trivial/router {cpu_ratio:.2f}"
+            )
+        for m in real_runs:
+            if m.non_ok_share:
+                print(f"{'':14s} router statuses {m.status_codes} errors {m.errors}")
         rows.append(
-            {"scenario": real.scenario, "ratio": ratio}
+            {"scenario": real.scenario, "ratio": ratio, "cpu_ratio": cpu_ratio}
             | {
                 "real": dataclasses.asdict(real),
                 "trivial": dataclasses.asdict(trivial),
+                "rounds": {
+                    "real": [dataclasses.asdict(m) for m in real_runs],
+                    "trivial": [dataclasses.asdict(m) for m in trivial_runs],
+                },
             }
         )
-    submitted = measurements["real"][-1].count
-    print(f"submit_rewards: {finalized} of {submitted} reward streams finalized their group")
+    if args.only is None:
+        print(f"submit_rewards: {finalized} of {submitted} reward streams finalized their group")
     summary = {
         "profile": args.profile,
         "concurrency": profile.concurrency,
         "group_size": GROUP_SIZE,
-        "run_id": run_id,
+        "rounds": args.rounds,
+        "run_ids": run_ids,
         "finalized_groups": finalized,
         "reward_streams": submitted,
+        "load_before": load_before,
         "scenarios": rows,
     }
     (reports / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
