@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from sessionrouter.server.core import feed, groups, placement, rewards, router, staleness
+from sessionrouter.server.core.commands import NO_OPTIONS
 from sessionrouter.server.core.errors import InvalidArgument
 from sessionrouter.server.core.estimators import EstimatorParams
 from sessionrouter.server.core.streams import MemberReplaced
@@ -50,9 +53,15 @@ _PLACEMENT_TO_PROTO: dict[placement.PlacementMode, spb.PlacementMode.ValueType] 
 }
 
 
+def set_time(ts: timestamp_pb2.Timestamp, unix_s: float) -> None:
+    """Sets a message's Timestamp field in place: cheaper than building one and copying it
+    in, which is what passing a Timestamp to a message's constructor does."""
+    ts.seconds, ts.nanos = divmod(int(unix_s * 1e9), 1_000_000_000)
+
+
 def timestamp(unix_s: float) -> timestamp_pb2.Timestamp:
     ts = timestamp_pb2.Timestamp()
-    ts.FromNanoseconds(int(unix_s * 1e9))
+    set_time(ts, unix_s)
     return ts
 
 
@@ -83,24 +92,40 @@ def worker_to_proto(w: WorkerRecord) -> pb.Worker:
 
 def session_to_proto(s: groups.SessionRecord, group: groups.GroupRecord | None) -> pb.Session:
     """``group`` is the session's own (None only if it is no longer retained)."""
-    msg = pb.Session(
-        name=s.name,
-        group_id=s.group_id,
-        index=s.index,
-        task_id=s.task_id,
-        worker_id=s.worker_id,
-        worker_address=s.worker_address,
-        state=_SESSION_STATE[s.state],
-        worker_lost=s.worker_lost,
-        metadata=s.metadata,
-        request_id=s.request_id,
-        create_time=timestamp(s.create_time),
-        shares_worker=group.shares_worker(s) if group is not None else s.shared_worker,
-        start_version=s.start_version,
-        min_version=s.min_version,
-        max_version=s.max_version,
-        interrupted=s.interrupted,
-    )
+    msg = pb.Session()
+    fill_session(msg, s, group)
+    return msg
+
+
+def fill_session(
+    msg: pb.Session, s: groups.SessionRecord, group: groups.GroupRecord | None
+) -> None:
+    """Writes a session into an empty ``msg`` in place (a reply's own sub-message: no copy),
+    setting only the fields that differ from their defaults."""
+    msg.name = s.name
+    msg.group_id = s.group_id
+    msg.index = s.index
+    msg.task_id = s.task_id
+    msg.worker_id = s.worker_id
+    msg.worker_address = s.worker_address
+    msg.state = _SESSION_STATE[s.state]
+    set_time(msg.create_time, s.create_time)
+    if s.request_id:
+        msg.request_id = s.request_id
+    if s.metadata:
+        msg.metadata.update(s.metadata)
+    if s.worker_lost:
+        msg.worker_lost = True
+    if group.shares_worker(s) if group is not None else s.shared_worker:
+        msg.shares_worker = True
+    if s.start_version:
+        msg.start_version = s.start_version
+    if s.min_version:
+        msg.min_version = s.min_version
+    if s.max_version:
+        msg.max_version = s.max_version
+    if s.interrupted:
+        msg.interrupted = True
     if s.reward is not None:
         msg.reward = s.reward
     if s.filter_metric is not None:
@@ -109,7 +134,6 @@ def session_to_proto(s: groups.SessionRecord, group: groups.GroupRecord | None) 
         msg.replaces = session_name(s.group_id, s.replaces)
     if s.replaced_by >= 0:
         msg.replaced_by = session_name(s.group_id, s.replaced_by)
-    return msg
 
 
 def estimator_to_proto(p: EstimatorParams) -> pb.EstimatorConfig:
@@ -117,24 +141,30 @@ def estimator_to_proto(p: EstimatorParams) -> pb.EstimatorConfig:
 
 
 def group_to_proto(g: groups.GroupRecord, *, with_members: bool = True) -> pb.Group:
-    return pb.Group(
+    msg = pb.Group(
         group_id=g.group_id,
         name=g.name,
         task_id=g.task_id,
         group_size=g.size,
         state=_GROUP_STATE[g.state],
-        members=[session_to_proto(s, g) for s in g.members] if with_members else [],
-        options=options_to_proto(g.settings),
-        create_time=timestamp(g.create_time),
-        deadline_time=timestamp(g.deadline_wall),
         cursor=g.cursor,
         distinct_workers=g.distinct_workers,
         shared_worker=g.distinct_workers < len(g.members),
         admitted_trainer_version=g.admitted_version,
     )
+    if with_members:
+        for s in g.members:
+            fill_session(msg.members.add(), s, g)
+    msg.options.CopyFrom(options_to_proto(g.settings))
+    set_time(msg.create_time, g.create_time)
+    set_time(msg.deadline_time, g.deadline_wall)
+    return msg
 
 
+@functools.lru_cache(maxsize=256)
 def options_to_proto(settings: groups.GroupSettings) -> pb.GroupOptions:
+    """The message of a group's settings, cached by value (most groups share the server's
+    defaults): callers copy it into their reply and never change it."""
     policy = settings.placement
     msg = pb.GroupOptions(
         estimator=estimator_to_proto(settings.estimator),
@@ -252,13 +282,16 @@ def group_state_from_proto(state: int) -> groups.GroupState | None:
 
 
 def start_session_from_proto(req: spb.StartSessionRequest) -> router.StartSessionCommand:
+    # Most callers give neither options nor metadata: skip converting what is not there.
     return router.StartSessionCommand(
         task_id=req.task_id,
         group_id=req.group_id if req.HasField("group_id") else None,
         group_size=req.group_size,
         request_id=req.request_id,
-        metadata=dict(req.metadata),
-        options=options_from_proto(req.group_options),
+        metadata=dict(req.metadata) if req.metadata else {},
+        options=(
+            options_from_proto(req.group_options) if req.HasField("group_options") else NO_OPTIONS
+        ),
         placement_mode=placement_from_proto(req.placement_mode),
     )
 
@@ -269,7 +302,9 @@ def start_group_from_proto(req: spb.StartGroupRequest) -> router.StartGroupComma
         group_size=req.group_size,
         group_id=req.group_id if req.HasField("group_id") else None,
         request_id=req.request_id,
-        metadata=dict(req.metadata),
-        options=options_from_proto(req.group_options),
+        metadata=dict(req.metadata) if req.metadata else {},
+        options=(
+            options_from_proto(req.group_options) if req.HasField("group_options") else NO_OPTIONS
+        ),
         placement_mode=placement_from_proto(req.placement_mode),
     )

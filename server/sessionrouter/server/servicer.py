@@ -356,13 +356,13 @@ class SessionServicer(_Refusing, spb_grpc.SessionServiceServicer):
         except RouterError as error:
             await self._abort(context, error)
         reply = spb.StartSessionResponse(
-            session=convert.session_to_proto(started.session, started.group),
             group_size=started.group.size,
             group_created=started.group_created,
             shared_worker=started.session.shared_worker,
             replayed=started.replayed,
             placement_mode=convert.placement_to_proto(started.group),
         )
+        convert.fill_session(reply.session, started.session, started.group)
         await self._durable(context)
         return reply
 

@@ -26,7 +26,11 @@ class OptionsSpec:
     replace_lost: bool = False
 
     def is_empty(self) -> bool:
-        return self == OptionsSpec()
+        return self is NO_OPTIONS or self == NO_OPTIONS
+
+
+NO_OPTIONS = OptionsSpec()
+"""The options of a request that gave none (shared: the spec is frozen)."""
 
 
 @dataclass(frozen=True, slots=True)
