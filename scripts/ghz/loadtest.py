@@ -24,6 +24,12 @@ server, and `summary.json`, under `reports/ghz/{time}-{profile}/` unless `--repo
 otherwise. ghz writes one format per run, and this script reads the JSON; for ghz's HTML
 report of a scenario, run ghz with `-O html` (the README shows the command).
 
+The router runs at its default settings (log level included) but in memory (`--in-memory`).
+With `--rounds N` both servers stay up and the scenarios run N times, alternating which server
+goes first in each round; the table shows the median run of each server (req/s, latencies)
+and the per-round figures, plus each server's CPU time per request (all its threads, from
+/proc), which a machine shared with other work disturbs less than req/s.
+
 ghz runs on the same 2 cores as the server, for the real and the trivial server alike: the
 absolute numbers are a floor; the ratio is the figure to compare across changes.
 
@@ -31,6 +37,7 @@ Usage:
     python scripts/ghz/loadtest.py --profile smoke     # a few seconds (make test)
     python scripts/ghz/loadtest.py --profile full      # make loadtest
     python scripts/ghz/loadtest.py --target 127.0.0.1:50051  # a router already running
+    python scripts/ghz/loadtest.py --profile full --rounds 5 --only start_session
 """
 
 from __future__ import annotations
