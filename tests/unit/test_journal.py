@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from sessionrouter.server.journal import (
     JournalError,
     SqliteJournal,
 )
+from sessionrouter.server.journal.integrity import COMMITTED_FILE
 from tests.support import TablesOpener
 
 SETTINGS = RouterSettings(min_members=1)
@@ -282,6 +284,49 @@ async def test_concurrent_commits_share_transactions(tmp_path: Path) -> None:
     reopened = SqliteJournal(tmp_path)
     assert len(reopened.load().workers) == 200
     reopened.close_now()
+
+
+async def test_commits_of_one_loop_turn_share_one_batch_counted_on_the_loop(
+    tmp_path: Path,
+) -> None:
+    journal = SqliteJournal(tmp_path)
+    committed: list[tuple[int, int, int]] = []
+    journal.on_commit = lambda seconds, events, size: committed.append(
+        (threading.get_ident(), events, size)
+    )
+    journal.start()
+    waits = []
+    for i in range(5):  # five calls the loop runs in one turn, each committing at once
+        journal.append(WorkerSaved(f"w{i}", f"10.0.0.{i}:1", 1, {}, False, 0.0))
+        waits.append(journal.commit())
+    await waits[0]
+    # Counted, in COMMITTED too, on the loop, before the first waiter woke.
+    assert journal.batches == 1 and journal.events == 5
+    assert (tmp_path / COMMITTED_FILE).read_text().strip() == "5".zfill(20)
+    assert len(committed) == 1
+    thread, events, size = committed[0]
+    assert thread == threading.get_ident() and events == 5 and size > 0
+    await asyncio.gather(*waits)
+    await journal.close()
+    reopened = SqliteJournal(tmp_path)
+    assert len(reopened.load().workers) == 5
+    reopened.close_now()
+
+
+async def test_a_committed_file_that_cannot_be_written_fails_the_journal(tmp_path: Path) -> None:
+    journal = SqliteJournal(tmp_path)
+    (tmp_path / COMMITTED_FILE).unlink(missing_ok=True)
+    (tmp_path / COMMITTED_FILE).mkdir()  # opened at the first durable batch: EISDIR
+    failures: list[BaseException] = []
+    journal.on_failure.append(failures.append)
+    journal.start()
+    journal.append(WorkerSaved("w", "a:1", 1, {}, False, 0.0))
+    with pytest.raises(Unavailable) as info:
+        await journal.commit()
+    assert info.value.reason == "JOURNAL_FAILED" and COMMITTED_FILE in info.value.message
+    assert journal.failed and isinstance(failures[0], IsADirectoryError)
+    assert journal.batches == 0
+    await journal.close()
 
 
 async def test_a_commit_covers_what_was_appended_before_it_only(tmp_path: Path) -> None:

@@ -118,7 +118,7 @@ class StateFiles:
         return int(text)
 
     def record(self, events: int) -> None:
-        """Rewrites COMMITTED in place (writer thread, after each durable batch)."""
+        """Rewrites COMMITTED in place (after each durable batch)."""
         if self._fd < 0:
             self._fd = os.open(self.committed_path, os.O_WRONLY | os.O_CREAT, FILE_MODE)
         os.pwrite(self._fd, f"{events:0{_WIDTH}d}\n".encode(), 0)
