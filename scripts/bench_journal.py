@@ -9,9 +9,10 @@
    into a fresh router), median of ``--repeats`` on fresh copies of the directory.
 2. StartSession/s and rewards/s over gRPC on loopback against a router process with
    ``--state-dir`` (``sync=full``: one fsync per group commit) and with ``--in-memory``,
-   alternating in the same run; medians and the journal/in-memory ratio.
+   alternating in the same run; medians and the journal/in-memory ratio. Both routers run at
+   their default settings (the default log level too), as users run them.
 
-    .venv/bin/python scripts/bench_journal.py [--events 1000000] [--repeats 3]
+    .venv/bin/python scripts/bench_journal.py [--events 1000000] [--repeats 3] [--skip-recovery]
 """
 
 from __future__ import annotations
@@ -155,6 +156,9 @@ async def grpc_costs(args: argparse.Namespace) -> None:
                 # Workers registered over gRPC do not heartbeat here: keep them healthy for
                 # as long as a run takes.
                 base = router_command("--heartbeat-timeout", "3600")
+                if "--log-level" in base:  # the default level, not a quieter one
+                    at = base.index("--log-level")
+                    del base[at : at + 2]
                 if mode == "memory":
                     cmd = base
                 else:
@@ -184,8 +188,18 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=20_000)
     parser.add_argument("--rewards", type=int, default=100_000, help="per entries/message case")
     parser.add_argument("--skip-grpc", action="store_true")
+    parser.add_argument("--skip-recovery", action="store_true")
     args = parser.parse_args()
     header("Durable journal: size, recovery, cost over gRPC")
+    if not args.skip_recovery:
+        size_and_recovery(args)
+    if not args.skip_grpc:
+        asyncio.run(grpc_costs(args))
+    print(f"# load {os.getloadavg()[0]:.2f} at the end")
+    sys.stdout.flush()
+
+
+def size_and_recovery(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         state_dir = Path(tmp) / "state"
         events, groups, seconds = generate(state_dir, args.events)
@@ -202,9 +216,6 @@ def main() -> None:
             f" {total:,.0f} ms ({', '.join(f'{p} {ms:,.0f}' for p, ms in phases.items())}),"
             f" median of {args.repeats}"
         )
-    if not args.skip_grpc:
-        asyncio.run(grpc_costs(args))
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":
