@@ -156,9 +156,6 @@ async def grpc_costs(args: argparse.Namespace) -> None:
                 # Workers registered over gRPC do not heartbeat here: keep them healthy for
                 # as long as a run takes.
                 base = router_command("--heartbeat-timeout", "3600")
-                if "--log-level" in base:  # the default level, not a quieter one
-                    at = base.index("--log-level")
-                    del base[at : at + 2]
                 if mode == "memory":
                     cmd = base
                 else:
