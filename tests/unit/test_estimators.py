@@ -13,6 +13,7 @@ from numpy.typing import NDArray
 
 from sessionrouter.server.core.estimators import (
     ESTIMATORS,
+    ROW_ESTIMATORS,
     EstimatorParams,
     Segmented,
     UnknownEstimatorError,
@@ -113,6 +114,79 @@ def test_matches_loop_reference_on_random_ragged_groups(p: EstimatorParams) -> N
         np.testing.assert_allclose(got.mean, [w[1] for w in want], rtol=0, atol=1e-12)
         np.testing.assert_allclose(got.std, [w[2] for w in want], rtol=0, atol=1e-12)
         assert got.degenerate.tolist() == [w[3] for w in want]
+
+
+def same_bits(a: NDArray[np.generic], b: NDArray[np.generic]) -> bool:
+    """Equal shapes, dtypes and bytes: -0.0 differs from 0.0 here, as any ulp does."""
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def assert_paths_agree(matrix: NDArray[np.float64], p: EstimatorParams) -> Segmented:
+    """The row path on (G, n) gives the ragged path's bits on the same groups."""
+    rows = ROW_ESTIMATORS[p.name](matrix, p)
+    groups = matrix.tolist()
+    ragged = run(groups, p)
+    for field in ("advantages", "mean", "std", "degenerate"):
+        assert same_bits(getattr(rows, field), getattr(ragged, field)), field
+    return rows
+
+
+def equal_groups(rng: np.random.Generator, n_groups: int, n: int) -> NDArray[np.float64]:
+    """(G, n) rewards of the shapes trainers see, with degenerate rows, -0.0 and 0.1 rows."""
+    kind = rng.integers(3)
+    if kind == 0:
+        matrix = rng.integers(0, 2, (n_groups, n)).astype(np.float64)
+    elif kind == 1:
+        matrix = rng.choice([0.0, -0.0, 0.25, 0.5, 1.0], (n_groups, n))
+    else:
+        matrix = rng.normal(rng.normal(0, 5), rng.uniform(0.01, 10), (n_groups, n))
+    matrix[rng.integers(n_groups)] = 0.1  # a sum-based mean would be an ulp off
+    return matrix
+
+
+@pytest.mark.parametrize("p", ALL_PARAMS, ids=repr)
+def test_row_path_matches_the_loop_reference_and_the_ragged_path(p: EstimatorParams) -> None:
+    for seed in range(30):
+        rng = np.random.default_rng(seed)
+        n = int(rng.choice([1, 2, 3, 8, 16, 33]))
+        matrix = equal_groups(rng, int(rng.integers(1, 60)), n)
+        got = assert_paths_agree(matrix, p)
+        want = reference(matrix.tolist(), p)
+        want_adv = np.array([a for adv, *_ in want for a in adv])
+        np.testing.assert_allclose(got.advantages, want_adv, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(got.mean, [w[1] for w in want], rtol=0, atol=1e-12)
+        np.testing.assert_allclose(got.std, [w[2] for w in want], rtol=0, atol=1e-12)
+        assert got.degenerate.tolist() == [w[3] for w in want]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_row_path_shapes_and_input_left_untouched(name: str) -> None:
+    matrix = np.array([[1.0, 2.0], [3.0, 3.0], [0.0, 5.0]])
+    before = matrix.copy()
+    out = ROW_ESTIMATORS[name](matrix, EstimatorParams(name))
+    assert out.advantages.shape == (6,) and out.advantages.dtype == np.float64
+    assert out.mean.shape == out.std.shape == out.degenerate.shape == (3,)
+    assert out.degenerate.tolist() == [False, True, False]
+    assert same_bits(matrix, before)
+    # A group of one: the member-major copy of (G, 1) is the input's own memory layout.
+    single = np.array([[0.5], [-1.0]])
+    ROW_ESTIMATORS[name](single, EstimatorParams(name))
+    assert single.tolist() == [[0.5], [-1.0]]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_row_path_rejects_what_is_not_a_matrix(name: str) -> None:
+    fn = ROW_ESTIMATORS[name]
+    with pytest.raises(ValueError, match=r"\(G, n\) with n >= 1"):
+        fn(np.zeros(4), EstimatorParams(name))
+    with pytest.raises(ValueError, match=r"\(G, n\) with n >= 1"):
+        fn(np.zeros((3, 0)), EstimatorParams(name))
+
+
+def test_row_registry_has_the_same_names() -> None:
+    assert list(ROW_ESTIMATORS) == list(ESTIMATORS)
+    with pytest.raises(UnknownEstimatorError):
+        ROW_ESTIMATORS["ppo"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -437,3 +511,17 @@ def test_property_grpo_is_invariant_to_positive_affine_maps(
         eps_term = np.abs(adv) * eps * abs(factor - 1) / (factor * s + eps)
         rounding = rounding_bound(group, p, s) + rounding_bound(mapped[g], p, factor * s)
         assert np.all(np.abs(adv_moved - adv) <= eps_term * 1.01 + 4 * rounding)
+
+
+equal_groups_st = st.integers(1, 12).flatmap(
+    lambda n: st.lists(st.lists(rewards_st, min_size=n, max_size=n), min_size=1, max_size=12)
+)
+all_params_st = st.sampled_from(ALL_PARAMS)
+
+
+@settings(deadline=None)
+@given(groups=equal_groups_st, p=all_params_st)
+def test_property_row_and_ragged_paths_give_the_same_bits(
+    groups: list[list[float]], p: EstimatorParams
+) -> None:
+    assert_paths_agree(np.array(groups, dtype=np.float64), p)

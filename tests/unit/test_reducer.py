@@ -1,4 +1,5 @@
-"""reduce_groups and AdvantageReducer: packing, result shape, validation and batching by params."""
+"""reduce_groups, reduce_matrix, reduce_segments and AdvantageReducer: packing, the batch's
+arrays, the choice of path, validation and batching by params."""
 
 from __future__ import annotations
 
@@ -14,7 +15,14 @@ from sessionrouter.server.core.estimators import (
     EstimatorParams,
     UnknownEstimatorError,
 )
-from sessionrouter.server.core.reducer import AdvantageReducer, GroupAdvantages, reduce_groups
+from sessionrouter.server.core.reducer import (
+    AdvantageReducer,
+    GroupAdvantages,
+    ReducedBatch,
+    reduce_groups,
+    reduce_matrix,
+    reduce_segments,
+)
 
 GRPO = EstimatorParams("grpo")
 RLOO = EstimatorParams("rloo")
@@ -157,3 +165,110 @@ def test_reducer_validates_every_params_before_any_work() -> None:
     with pytest.raises(ValueError, match="eps"):
         reducer.reduce(batch)
     assert reducer.calls == 0
+
+
+ALL = [
+    GRPO,
+    RLOO,
+    DR,
+    EstimatorParams("grpo", eps=0.0, ddof=0),
+    EstimatorParams("rloo", ddof=0),
+    EstimatorParams("grpo", batch_std=True),
+]
+
+
+def offsets_of(lengths: Sequence[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def assert_batches_equal(a: ReducedBatch, b: ReducedBatch) -> None:
+    for field in ("values", "advantages", "offsets", "mean", "std", "degenerate"):
+        x, y = getattr(a, field), getattr(b, field)
+        assert x.shape == y.shape and x.dtype == y.dtype and x.tobytes() == y.tobytes(), field
+
+
+@pytest.mark.parametrize("p", ALL, ids=repr)
+def test_matrix_and_segments_and_per_group_agree_to_the_bit(p: EstimatorParams) -> None:
+    rng = np.random.default_rng(3)
+    matrix = rng.integers(0, 3, (300, 8)).astype(np.float64)
+    matrix[5] = 0.1
+    rows = reduce_matrix(matrix, p)
+    segments = reduce_segments(matrix.reshape(-1), offsets_of([8] * 300), p)
+    assert rows.width == segments.width == 8
+    assert_batches_equal(rows, segments)
+    # The ragged path on the same groups, forced by one group of another size at the end.
+    ragged = reduce_segments(
+        np.concatenate([matrix.reshape(-1), [1.0, 2.0]]), offsets_of([8] * 300 + [2]), p
+    )
+    assert ragged.width == 0
+    if not p.batch_std:  # the extra group changes the batch std, nothing else
+        assert ragged.advantages[:2400].tobytes() == rows.advantages.tobytes()
+        assert ragged.mean[:300].tobytes() == rows.mean.tobytes()
+        assert ragged.std[:300].tobytes() == rows.std.tobytes()
+    per_group = reduce_groups(matrix.tolist(), p)
+    assert [g.advantages.tolist() for g in per_group] == [
+        g.advantages.tolist() for g in rows.groups()
+    ]
+
+
+def test_reduced_batch_arrays_have_the_documented_shapes_and_are_read_only() -> None:
+    batch = reduce_segments(np.array([1.0, 0.0, 3.0, 3.0, 3.0]), np.array([0, 2, 5]), GRPO)
+    assert len(batch) == 2 and batch.width == 0 and batch.params == GRPO
+    assert batch.values.dtype == batch.advantages.dtype == np.float64
+    assert batch.values.shape == batch.advantages.shape == (5,)
+    assert batch.offsets.dtype == np.int64 and batch.offsets.tolist() == [0, 2, 5]
+    assert batch.lengths.tolist() == [2, 3]
+    assert batch.mean.shape == batch.std.shape == batch.degenerate.shape == (2,)
+    assert batch.degenerate.tolist() == [False, True]
+    assert batch.advantages[2:].tolist() == [0.0, 0.0, 0.0]
+    for array in (batch.values, batch.advantages, batch.offsets, batch.mean, batch.std):
+        with pytest.raises(ValueError, match="read-only"):
+            array[0] = 1
+    one = batch.group(1)
+    assert (one.mean, one.std, one.degenerate) == (3.0, 0.0, True)
+    assert one.advantages.tolist() == [0.0, 0.0, 0.0]
+    assert [g.mean for g in batch.groups()] == [0.5, 3.0]
+
+
+def test_an_empty_batch_of_segments() -> None:
+    batch = reduce_segments(np.zeros(0), np.zeros(1, dtype=np.int64), GRPO)
+    assert len(batch) == 0 and batch.values.shape == batch.advantages.shape == (0,)
+    assert batch.groups() == []
+
+
+@pytest.mark.parametrize(
+    ("values", "offsets", "message"),
+    [
+        ([1.0, 2.0], [1, 2], "offsets must run from 0 to N = 2"),
+        ([1.0, 2.0], [0, 1], "offsets must run from 0 to N = 2"),
+        ([1.0, 2.0], [0, 2, 2], r"groups without rewards at positions \[1\]"),
+        ([1.0, 2.0, math.nan], [0, 2, 3], r"non-finite rewards in groups at positions \[1\]"),
+        ([math.inf, 2.0], [0, 1, 2], r"non-finite rewards in groups at positions \[0\]"),
+        ([1.0, 2.0], [], r"offsets \(G \+ 1,\)"),
+    ],
+)
+def test_reduce_segments_rejects_bad_layouts(
+    values: list[float], offsets: list[int], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        reduce_segments(np.array(values), np.array(offsets, dtype=np.int64), GRPO)
+
+
+def test_reduce_matrix_rejects_bad_matrices_and_names_the_group_of_a_nan() -> None:
+    with pytest.raises(ValueError, match=r"\(G, n\) with n >= 1"):
+        reduce_matrix(np.zeros(3), GRPO)
+    with pytest.raises(ValueError, match=r"\(G, n\) with n >= 1"):
+        reduce_matrix(np.zeros((2, 0)), GRPO)
+    matrix = np.zeros((4, 3))
+    matrix[2, 1] = math.nan
+    with pytest.raises(ValueError, match=r"non-finite rewards in groups at positions \[2\]"):
+        reduce_matrix(matrix, GRPO)
+    with pytest.raises(UnknownEstimatorError):
+        reduce_matrix(np.zeros((1, 2)), EstimatorParams("ppo"))
+
+
+def test_reducer_counts_matrix_and_segment_calls() -> None:
+    reducer = AdvantageReducer()
+    reducer.reduce_matrix(np.ones((3, 2)), GRPO)
+    reducer.reduce_segments(np.ones(3), np.array([0, 1, 3]), GRPO)
+    assert reducer.calls == 2

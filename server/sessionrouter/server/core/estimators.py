@@ -13,6 +13,12 @@ Layout shared by every estimator (N rewards, G groups):
   is ``0, 0, ..., 1, 1, ..., G-1`` (non-decreasing, consistent with ``lengths``).
 - ``lengths``: intp, shape (G,); every group has at least one member and the lengths sum to N.
 
+When every group of a batch has the same size n, the same estimators also take the batch as a
+(G, n) matrix, row g being group g (``ROW_ESTIMATORS``): no segment ids, no gathers by
+segment; per-group sums are n contiguous additions over a member-major copy. Both layouts add
+each group's values in the same order (member 0 first, from 0.0), so they give the same bits,
+and the reducer picks the row layout whenever it applies.
+
 Preconditions: rewards are float64, finite and of moderate magnitude: |r| well below 1e154 and
 distinct rewards of a group more than ~1e-150 apart, so that squared deviations neither
 overflow nor underflow (RL rewards are nowhere near either); ``segment_ids`` agrees with
@@ -36,14 +42,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
 
 __all__ = [
     "ESTIMATORS",
+    "ROW_ESTIMATORS",
     "EstimatorFn",
     "EstimatorParams",
+    "RowEstimatorFn",
     "Segmented",
     "UnknownEstimatorError",
     "dr_grpo",
@@ -93,6 +102,9 @@ class Segmented:
 
 EstimatorFn = Callable[[FloatArray, IndexArray, IndexArray, EstimatorParams], Segmented]
 """``fn(rewards (N,), segment_ids (N,), lengths (G,), params) -> Segmented``."""
+RowEstimatorFn = Callable[[FloatArray, EstimatorParams], Segmented]
+"""``fn(matrix (G, n), params) -> Segmented``: G groups of n members, row g is group g;
+``advantages`` is (G * n,), group-major like ``matrix.reshape(-1)``."""
 
 
 class UnknownEstimatorError(KeyError, ValueError):
@@ -112,15 +124,18 @@ class UnknownEstimatorError(KeyError, ValueError):
         return str(self.args[0])
 
 
-class _Registry(Mapping[str, EstimatorFn]):
+_Fn = TypeVar("_Fn")
+
+
+class _Registry(Mapping[str, _Fn]):
     """Read-only view of the registered estimators; a missing name says which ones exist."""
 
     __slots__ = ("_by_name",)
 
-    def __init__(self, by_name: dict[str, EstimatorFn]) -> None:
+    def __init__(self, by_name: dict[str, _Fn]) -> None:
         self._by_name = by_name
 
-    def __getitem__(self, name: str) -> EstimatorFn:
+    def __getitem__(self, name: str) -> _Fn:
         try:
             return self._by_name[name]
         except KeyError:
@@ -138,14 +153,10 @@ class _Registry(Mapping[str, EstimatorFn]):
 
 _BY_NAME: dict[str, EstimatorFn] = {}
 ESTIMATORS: Mapping[str, EstimatorFn] = _Registry(_BY_NAME)
-
-
-def _register(name: str) -> Callable[[EstimatorFn], EstimatorFn]:
-    def add(fn: EstimatorFn) -> EstimatorFn:
-        _BY_NAME[name] = fn
-        return fn
-
-    return add
+"""Ragged layout: ``ESTIMATORS[name](rewards (N,), segment_ids (N,), lengths (G,), params)``."""
+_ROWS_BY_NAME: dict[str, RowEstimatorFn] = {}
+ROW_ESTIMATORS: Mapping[str, RowEstimatorFn] = _Registry(_ROWS_BY_NAME)
+"""Equal-size layout, the same estimators: ``ROW_ESTIMATORS[name](matrix (G, n), params)``."""
 
 
 def validate_params(p: EstimatorParams) -> None:
@@ -166,7 +177,10 @@ def validate_params(p: EstimatorParams) -> None:
 
 @dataclass(frozen=True, slots=True)
 class _Moments:
-    """Per-group statistics shared by the estimators (shapes as in ``Segmented``)."""
+    """Per-group statistics shared by the estimators (shapes as in ``Segmented``).
+
+    ``centred`` is (N,), aligned with the flat group-major rewards, on both paths.
+    """
 
     mean: FloatArray  # (G,)
     std: FloatArray  # (G,)
@@ -198,6 +212,8 @@ def _moments(
     differs = rewards != first[segment_ids]
     degenerate = ~np.logical_or.reduceat(differs, starts)
 
+    # bincount adds each group's weights one by one, in order, from 0.0: the row path adds in
+    # exactly that order, so both paths give the same bits.
     sums = np.bincount(segment_ids, weights=rewards, minlength=n_groups)
     # Exact mean for degenerate groups: sum/n can be off by an ulp (3 * 0.1 / 3 != 0.1), and
     # the exact value makes their deviations, hence advantages, exactly 0.0.
@@ -209,8 +225,49 @@ def _moments(
     return _Moments(mean, np.sqrt(var), centred, degenerate)
 
 
+def _row_sums(members: FloatArray) -> FloatArray:
+    """(G,) sums of a member-major (n, G) array, member 0 first, from 0.0: the order in which
+    ``np.bincount`` adds the ragged path's weights, so that the two paths agree to the bit
+    (``sum(axis=...)`` uses pairwise summation, which does not)."""
+    total = np.zeros(members.shape[1], dtype=np.float64)
+    for row in members:
+        total += row
+    return total
+
+
+def _moments_rows(matrix: FloatArray, ddof: int) -> _Moments:
+    """``_moments`` for G groups of n members each, given as a C-ordered (G, n) matrix.
+
+    The reductions run on a member-major copy (n, G): each is n contiguous passes over G
+    values, where a reduction along the short axis of (G, n) would pay NumPy's inner-loop
+    overhead per group. What is per member (``centred``) stays group-major, (G * n,), with
+    per-group values spread by ``np.repeat`` (a copy, not a gather by index).
+    """
+    n_groups, n = matrix.shape
+    members = np.array(matrix.T, order="C")  # always a copy: it is overwritten below
+    first = members[0]
+    degenerate = np.ones(n_groups, dtype=np.bool_)
+    same = np.empty(n_groups, dtype=np.bool_)
+    for row in members[1:]:
+        np.equal(row, first, out=same)
+        degenerate &= same
+    mean = np.where(degenerate, first, _row_sums(members) / n)
+    np.subtract(members, mean, out=members)  # member-major deviations, for the squares only
+    squares = np.zeros(n_groups, dtype=np.float64)
+    for row in members:
+        np.multiply(row, row, out=row)
+        squares += row
+    dof = n - ddof
+    var = squares / dof if dof > 0 else np.zeros(n_groups, dtype=np.float64)
+    centred = matrix.reshape(-1) - np.repeat(mean, n)
+    return _Moments(mean, np.sqrt(var), centred, degenerate)
+
+
 def _batch_std(rewards: FloatArray, ddof: int) -> float:
-    """Two-pass std of all rewards of the call, reward units; 0.0 when N <= ddof."""
+    """Two-pass std of all rewards of the call, reward units; 0.0 when N <= ddof.
+
+    ``rewards`` is the flat (N,) group-major array on both paths, so the pairwise sums see
+    the same values in the same order."""
     n = rewards.shape[0]
     if n <= ddof:
         return 0.0
@@ -218,10 +275,86 @@ def _batch_std(rewards: FloatArray, ddof: int) -> float:
     return math.sqrt(float(np.sum(deviations * deviations)) / (n - ddof))
 
 
-@_register("grpo")
-def grpo(
-    rewards: FloatArray, segment_ids: IndexArray, lengths: IndexArray, params: EstimatorParams
-) -> Segmented:
+# Each estimator is written once, over the moments and a way to spread per-group values
+# over the members (``spread``: (G,) -> (N,)), and registered for both layouts.
+_Spread = Callable[[FloatArray], FloatArray]
+_Advantages = Callable[
+    [_Moments, _Spread, FloatArray, IndexArray | int, EstimatorParams], FloatArray
+]
+"""``fn(moments, spread, flat rewards (N,), lengths (G,) or n, params) -> advantages (N,)``."""
+
+
+def _grpo_advantages(
+    m: _Moments, spread: _Spread, flat: FloatArray, lengths: IndexArray | int, p: EstimatorParams
+) -> FloatArray:
+    # ``m.centred`` is this call's own array: dividing in place saves an (N,) allocation.
+    if p.batch_std:
+        scale = _batch_std(flat, p.ddof) + p.eps
+        return np.divide(m.centred, scale, out=m.centred) if scale > 0 else m.centred
+    denom = m.std + p.eps
+    denom[denom == 0.0] = 1.0
+    return np.divide(m.centred, spread(denom), out=m.centred)
+
+
+def _dr_grpo_advantages(
+    m: _Moments, spread: _Spread, flat: FloatArray, lengths: IndexArray | int, p: EstimatorParams
+) -> FloatArray:
+    return m.centred
+
+
+def _rloo_advantages(
+    m: _Moments, spread: _Spread, flat: FloatArray, lengths: IndexArray | int, p: EstimatorParams
+) -> FloatArray:
+    if isinstance(lengths, int):
+        # Python's n / (n - 1) is the same IEEE division as NumPy's on the ragged path.
+        factor: FloatArray | float = lengths / (lengths - 1) if lengths > 1 else 0.0
+        return np.multiply(m.centred, factor, out=m.centred)
+    others = lengths - 1
+    per_group = np.divide(
+        lengths, others, out=np.zeros(lengths.shape[0], dtype=np.float64), where=others > 0
+    )
+    return np.multiply(m.centred, spread(per_group), out=m.centred)
+
+
+def _ragged(advantages_of: _Advantages) -> EstimatorFn:
+    def estimate(
+        rewards: FloatArray, segment_ids: IndexArray, lengths: IndexArray, params: EstimatorParams
+    ) -> Segmented:
+        m = _moments(rewards, segment_ids, lengths, params.ddof)
+        adv = advantages_of(m, lambda per_group: per_group[segment_ids], rewards, lengths, params)
+        return Segmented(adv, m.mean, m.std, m.degenerate)
+
+    return estimate
+
+
+def _rows(advantages_of: _Advantages) -> RowEstimatorFn:
+    def estimate(matrix: FloatArray, params: EstimatorParams) -> Segmented:
+        if matrix.ndim != 2 or matrix.shape[1] < 1:
+            raise ValueError(f"matrix must be (G, n) with n >= 1, got {matrix.shape}")
+        matrix = np.ascontiguousarray(matrix, dtype=np.float64)
+        n = matrix.shape[1]
+        m = _moments_rows(matrix, params.ddof)
+        adv = advantages_of(
+            m, lambda per_group: np.repeat(per_group, n), matrix.reshape(-1), n, params
+        )
+        return Segmented(adv, m.mean, m.std, m.degenerate)
+
+    return estimate
+
+
+def _register(name: str, advantages_of: _Advantages, doc: str) -> EstimatorFn:
+    ragged, rows = _ragged(advantages_of), _rows(advantages_of)
+    ragged.__name__ = rows.__name__ = name
+    ragged.__qualname__ = rows.__qualname__ = name
+    ragged.__doc__ = rows.__doc__ = doc
+    _BY_NAME[name] = ragged
+    _ROWS_BY_NAME[name] = rows
+    return ragged
+
+
+grpo = _register(
+    "grpo",
+    _grpo_advantages,
     """GRPO: ``A_i = (r_i - mean_g) / (std_g + eps)``, dimensionless, shape (N,).
 
     With ``params.batch_std`` the denominator is ``std_batch + eps``, where ``std_batch`` is the
@@ -229,44 +362,24 @@ def grpo(
     which per-group normalisation erases. Degenerate groups get exactly 0.0. Where the
     denominator is 0.0 (only possible with ``eps == 0``), the deviations are 0.0 too and the
     advantages stay 0.0 instead of 0/0.
-    """
-    m = _moments(rewards, segment_ids, lengths, params.ddof)
-    if params.batch_std:
-        scale = _batch_std(rewards, params.ddof) + params.eps
-        advantages = m.centred / scale if scale > 0 else m.centred.copy()
-    else:
-        denom = m.std + params.eps
-        denom[denom == 0.0] = 1.0
-        advantages = m.centred / denom[segment_ids]
-    return Segmented(advantages, m.mean, m.std, m.degenerate)
-
-
-@_register("dr_grpo")
-def dr_grpo(
-    rewards: FloatArray, segment_ids: IndexArray, lengths: IndexArray, params: EstimatorParams
-) -> Segmented:
+    """,
+)
+dr_grpo = _register(
+    "dr_grpo",
+    _dr_grpo_advantages,
     """Dr. GRPO: ``A_i = r_i - mean_g``, reward units, shape (N,).
 
     No std division: that division over-weights groups with a small spread (too easy or too
     hard prompts). Degenerate groups get exactly 0.0.
-    """
-    m = _moments(rewards, segment_ids, lengths, params.ddof)
-    return Segmented(m.centred, m.mean, m.std, m.degenerate)
-
-
-@_register("rloo")
-def rloo(
-    rewards: FloatArray, segment_ids: IndexArray, lengths: IndexArray, params: EstimatorParams
-) -> Segmented:
+    """,
+)
+rloo = _register(
+    "rloo",
+    _rloo_advantages,
     """RLOO: ``A_i = r_i - mean of the other n-1 members``, reward units, shape (N,).
 
     The leave-one-out baseline does not depend on ``r_i``, which keeps the policy gradient
     unbiased. It equals ``n / (n - 1) * (r_i - mean_g)``, computed that way so that one segmented
     mean serves both. A group of one has no baseline: it is degenerate and gets 0.0.
-    """
-    m = _moments(rewards, segment_ids, lengths, params.ddof)
-    others = lengths - 1
-    factor = np.divide(
-        lengths, others, out=np.zeros(lengths.shape[0], dtype=np.float64), where=others > 0
-    )
-    return Segmented(m.centred * factor[segment_ids], m.mean, m.std, m.degenerate)
+    """,
+)

@@ -4,6 +4,11 @@ A group is created by its first session (or by StartGroup) and binds a task id, 
 options for life; sessions join it in index order. The ledger keeps groups by id, the
 request-id index that makes starts idempotent, creation order for paging, and a bounded
 window of finished groups for lookups (older ones are forgotten, with their request ids).
+
+Rewards are kept twice: on the member's record (lookups, duplicate checks) and in a
+``RewardArena`` row of the open group, written as each reward is accepted. The arena is what
+the finalizer reduces: the rows of a batch of complete groups of one size are one fancy-index
+gather into a (G, n) matrix, with no per-group array to build or concatenate.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ import enum
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.typing import NDArray
 
 from sessionrouter.server.core.errors import NotFound
 from sessionrouter.server.core.estimators import EstimatorParams
@@ -88,6 +96,79 @@ class SessionRecord:
         return (self.group_id, self.index)
 
 
+class RewardArena:
+    """Reward slots of the open groups of one size n.
+
+    ``values`` (capacity, n) float64: row r holds one open group's rewards by member slot, NaN
+    where none is recorded (rewards are finite, so NaN is free to mean "none");
+    ``metrics`` likewise holds the filter metrics. A member's slot is its index, except in a
+    group with replacements (``member_slots``). Rows are handed out by ``allocate`` and given
+    back in bulk by ``release`` (a row holds stale values until it is allocated again); the
+    arrays double when full (row numbers stay valid).
+    """
+
+    __slots__ = ("_free", "_free_chunks", "_next", "metrics", "values", "width")
+
+    def __init__(self, width: int, capacity: int = 64) -> None:
+        if width < 1:
+            raise ValueError(f"arena width must be at least 1, got {width}")
+        self.width = width
+        self.values: NDArray[np.float64] = np.full((capacity, width), np.nan)
+        self.metrics: NDArray[np.float64] = np.full((capacity, width), np.nan)
+        self._free: list[int] = []
+        self._free_chunks: list[NDArray[np.intp]] = []
+        """Released batches of rows, turned into ``_free`` only when allocation needs them
+        (so that a release costs no Python object per row)."""
+        self._next = 0
+
+    @property
+    def capacity(self) -> int:
+        return int(self.values.shape[0])
+
+    @property
+    def in_use(self) -> int:
+        """Rows allocated and not released."""
+        return self._next - len(self._free) - sum(len(c) for c in self._free_chunks)
+
+    def allocate(self) -> int:
+        """A row of NaNs for a new open group (reset here, so that a release is only a push)."""
+        if not self._free and self._free_chunks:
+            self._free = self._free_chunks.pop().tolist()
+        if self._free:
+            row = self._free.pop()
+            self.values[row] = np.nan
+            self.metrics[row] = np.nan
+            return row
+        if self._next == self.capacity:
+            grow = np.full((self.capacity, self.width), np.nan)
+            self.values = np.concatenate([self.values, grow])
+            self.metrics = np.concatenate([self.metrics, grow])
+        row = self._next
+        self._next += 1
+        return row
+
+    def release(self, rows: NDArray[np.intp]) -> None:
+        """Gives rows back once their groups finished and were gathered; ``allocate`` hands
+        them out again."""
+        if rows.size:
+            self._free_chunks.append(rows.copy())
+
+
+def member_slots(group: GroupRecord) -> list[int]:
+    """The arena slot of each member, by index: original members take the next slot in join
+    order, a replacement takes the slot of the member it replaces (that one is aborted and has
+    no reward). Slots never change once given, and are below ``group.size``."""
+    slots: list[int] = []
+    originals = 0
+    for s in group.members:
+        if s.replaces >= 0:
+            slots.append(slots[s.replaces])
+        else:
+            slots.append(originals)
+            originals += 1
+    return slots
+
+
 @dataclass(slots=True, eq=False)
 class GroupRecord:
     """A group and its members. Mutated only by the router."""
@@ -118,6 +199,14 @@ class GroupRecord:
     """The trainer's version when the group was admitted."""
     admission_epoch: int = 0
     """The staleness counters' epoch the group counts in; 0 when it does not count."""
+    arena: RewardArena | None = None
+    """Where the rewards of this open group are kept (row ``arena_row``); None once final."""
+    arena_row: int = -1
+    reduce_key: int = -1
+    """Same value for groups of the same size and estimator params (set by the ledger): lets
+    the finalizer see in O(1) per group that a batch is uniform, without comparing params."""
+    with_metrics: int = 0
+    """Rewarded members that gave a filter metric."""
 
     @property
     def name(self) -> str:
@@ -162,6 +251,9 @@ class RequestRecord:
     fingerprint: tuple[object, ...]
 
 
+MAX_REDUCE_KEYS = 4096
+"""Distinct (size, estimator params) pairs given a ``reduce_key``; bounds the ledger's memory."""
+
 GROUP_BYTES = 256
 """Estimated bytes of a group apart from its members."""
 
@@ -195,6 +287,9 @@ class GroupLedger:
         self._order_ids: list[str] = []
         self._next_seq = 1
         self.open_groups = 0
+        self.arenas: dict[int, RewardArena] = {}
+        """Reward slots of the open groups, by group size."""
+        self._reduce_keys: dict[tuple[int, EstimatorParams], int] = {}
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -242,12 +337,43 @@ class GroupLedger:
         return group.members[index]
 
     def add_group(self, group: GroupRecord) -> None:
+        """Stores ``group``. An open one gets its arena row, filled with the rewards its members
+        already hold (a group restored from a journal), so recovery rebuilds the same arrays."""
+        if group.state is GroupState.OPEN:
+            self._place_rewards(group)
         self._groups[group.group_id] = group
         self._order_seq.append(group.seq)
         self._order_ids.append(group.group_id)
         self.open_groups += 1
         self.open_sessions += group.size
         self.open_bytes += retained_bytes(group)
+
+    def _place_rewards(self, group: GroupRecord) -> None:
+        arena = self.arenas.get(group.size)
+        if arena is None:
+            arena = self.arenas[group.size] = RewardArena(group.size)
+        group.arena, group.arena_row = arena, arena.allocate()
+        key = (group.size, group.settings.estimator)
+        known = self._reduce_keys.get(key)
+        if known is None and len(self._reduce_keys) < MAX_REDUCE_KEYS:
+            known = self._reduce_keys[key] = len(self._reduce_keys)
+        # Past the bound (callers inventing params), a group is reduced by the general path.
+        group.reduce_key = -1 if known is None else known
+        for session in group.members:
+            if session.state is SessionState.REWARDED:
+                self.record_reward(group, session)
+
+    def record_reward(self, group: GroupRecord, session: SessionRecord) -> None:
+        """Copies the reward (and filter metric) just set on ``session``, a member of the open
+        ``group``, into the group's arena row."""
+        arena = group.arena
+        if arena is None:
+            raise ValueError(f"group {group.group_id!r} is not open")
+        slot = member_slots(group)[session.index] if group.replaced else session.index
+        arena.values[group.arena_row, slot] = session.reward
+        if session.filter_metric is not None:
+            arena.metrics[group.arena_row, slot] = session.filter_metric
+            group.with_metrics += 1
 
     def member_joined(self, group: GroupRecord, metadata: Mapping[str, str]) -> None:
         """A member was placed in ``group``, already added: counts its bytes."""

@@ -1,11 +1,17 @@
-"""The batch reducer: many completed groups in, per-group advantages out, one estimator call.
+"""The batch reducer: many completed groups in, advantages out as arrays, one estimator call.
 
 Why batch: groups complete a few at a time, and the router reduces those that complete within a
-short window together. ``reduce_groups`` packs them into the dense layout of
-``estimators`` (rewards (N,), segment_ids (N,), lengths (G,)) and calls the estimator once, so
-the NumPy work is a fixed number of passes over N rewards. What remains proportional to G is
-the unavoidable Python at the edges: reading the input sequences and building one
-``GroupAdvantages`` per group.
+short window together, in a fixed number of NumPy passes over the N rewards whatever the number
+of groups G. Two layouts go in:
+
+- a (G, n) matrix when every group has n members (``reduce_matrix``; the common case of
+  complete groups of one size): the estimators' row path, no segment ids, no gathers;
+- flat values (N,) with offsets (G + 1,) otherwise (``reduce_segments``, which takes the row
+  path by itself when the offsets turn out to be equal steps).
+
+Both give the same bits for the same groups. Out comes one ``ReducedBatch`` of arrays; a
+``GroupAdvantages`` per group is built only for a caller that asks (``ReducedBatch.groups``,
+``reduce_groups``, ``AdvantageReducer.reduce``).
 """
 
 from __future__ import annotations
@@ -18,11 +24,26 @@ from typing import cast
 import numpy as np
 from numpy.typing import NDArray
 
-from sessionrouter.server.core.estimators import ESTIMATORS, EstimatorParams, validate_params
+from sessionrouter.server.core.estimators import (
+    ESTIMATORS,
+    ROW_ESTIMATORS,
+    EstimatorParams,
+    Segmented,
+    validate_params,
+)
 
-__all__ = ["AdvantageReducer", "GroupAdvantages", "reduce_groups"]
+__all__ = [
+    "AdvantageReducer",
+    "GroupAdvantages",
+    "ReducedBatch",
+    "reduce_groups",
+    "reduce_matrix",
+    "reduce_segments",
+]
 
 GroupRewards = Sequence[float] | NDArray[np.float64]
+OFFSETS = np.int64
+"""dtype of ``ReducedBatch.offsets``."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -45,23 +66,171 @@ class GroupAdvantages:
     degenerate: bool
 
 
-def _pack(groups: Sequence[GroupRewards]) -> tuple[NDArray[np.float64], NDArray[np.intp]]:
-    """Concatenate the groups into rewards (N,) float64 and return them with lengths (G,)."""
-    lengths = np.fromiter(map(len, groups), dtype=np.intp, count=len(groups))
-    n_rewards = int(lengths.sum())
+@dataclass(frozen=True, slots=True, eq=False)
+class ReducedBatch:
+    """G groups holding N rewards in all, reduced with one ``params``; every array read-only.
+
+    - ``values``: float64 (N,), the rewards, group-major: group g is
+      ``values[offsets[g]:offsets[g + 1]]``, members in input order. Reward units.
+    - ``advantages``: float64 (N,), aligned with ``values`` (units: see ``estimators``).
+    - ``offsets``: int64 (G + 1,); ``offsets[0] == 0``, ``offsets[G] == N``, strictly
+      increasing (every group has at least one member).
+    - ``mean``, ``std``: float64 (G,), per group, reward units (std with ``params.ddof``).
+    - ``degenerate``: bool (G,), per group: one member, or all rewards equal (advantages
+      exactly 0.0).
+    - ``width``: n when every group has n members (the row path was taken), else 0.
+    """
+
+    values: NDArray[np.float64]
+    advantages: NDArray[np.float64]
+    offsets: NDArray[np.int64]
+    mean: NDArray[np.float64]
+    std: NDArray[np.float64]
+    degenerate: NDArray[np.bool_]
+    params: EstimatorParams
+    width: int
+
+    def __len__(self) -> int:
+        return int(self.offsets.shape[0]) - 1
+
+    @property
+    def lengths(self) -> NDArray[np.int64]:
+        """int64 (G,): members per group."""
+        return np.diff(self.offsets)
+
+    def group(self, g: int) -> GroupAdvantages:
+        """Group g as one object (views into the batch's arrays)."""
+        start, end = int(self.offsets[g]), int(self.offsets[g + 1])
+        return GroupAdvantages(
+            self.advantages[start:end],
+            float(self.mean[g]),
+            float(self.std[g]),
+            bool(self.degenerate[g]),
+        )
+
+    def groups(self) -> list[GroupAdvantages]:
+        """One ``GroupAdvantages`` per group, in order: O(G) Python, for callers that want
+        objects (a few thousand groups is a millisecond or two)."""
+        adv = self.advantages
+        bounds = self.offsets.tolist()
+        return [
+            GroupAdvantages(adv[start:end], mean, std, degenerate)
+            for start, end, mean, std, degenerate in zip(
+                bounds[:-1],
+                bounds[1:],
+                self.mean.tolist(),
+                self.std.tolist(),
+                self.degenerate.tolist(),
+                strict=True,
+            )
+        ]
+
+
+def _frozen(*arrays: NDArray[np.generic]) -> None:
+    for a in arrays:
+        a.flags.writeable = False
+
+
+def _check_finite(values: NDArray[np.float64], offsets: NDArray[np.int64] | int) -> None:
+    """One O(N) pass: a NaN would silently poison a whole group (the router rejects non-finite
+    rewards when it records them; this is the reducer's own guard)."""
+    if np.isfinite(values).all():
+        return
+    bad = np.flatnonzero(~np.isfinite(values))
+    if isinstance(offsets, int):
+        groups = np.unique(bad // offsets)
+    else:
+        groups = np.unique(np.searchsorted(offsets, bad, side="right") - 1)
+    raise ValueError(f"non-finite rewards in groups at positions {groups[:10].tolist()}")
+
+
+def _batch(
+    values: NDArray[np.float64],
+    offsets: NDArray[np.int64],
+    out: Segmented,
+    params: EstimatorParams,
+    width: int,
+) -> ReducedBatch:
+    _frozen(values, out.advantages, offsets, out.mean, out.std, out.degenerate)
+    return ReducedBatch(
+        values, out.advantages, offsets, out.mean, out.std, out.degenerate, params, width
+    )
+
+
+def reduce_matrix(matrix: NDArray[np.float64], params: EstimatorParams) -> ReducedBatch:
+    """Reduce G groups of n members each, given as a (G, n) float64 matrix, row g = group g.
+
+    ``values`` of the result is ``matrix`` flattened (the caller's array itself when it is
+    C-ordered float64: do not write to it afterwards). Raises ``ValueError`` on bad params, a
+    matrix that is not 2-D with n >= 1, or a non-finite reward.
+    """
+    validate_params(params)
+    matrix = np.ascontiguousarray(matrix, dtype=np.float64)
+    if matrix.ndim != 2 or matrix.shape[1] < 1:
+        raise ValueError(f"matrix must be (G, n) with n >= 1, got {matrix.shape}")
+    n_groups, n = matrix.shape
+    values = matrix.reshape(-1)
+    _check_finite(values, n)
+    offsets = np.arange(0, n_groups * n + 1, n, dtype=OFFSETS)
+    return _batch(values, offsets, ROW_ESTIMATORS[params.name](matrix, params), params, n)
+
+
+def reduce_segments(
+    values: NDArray[np.float64], offsets: NDArray[np.integer], params: EstimatorParams
+) -> ReducedBatch:
+    """Reduce G groups laid out one after the other in ``values`` (N,), group g being
+    ``values[offsets[g]:offsets[g + 1]]`` (``offsets`` (G + 1,), from 0 to N).
+
+    When all groups have one size, this is ``reduce_matrix`` on ``values.reshape(G, n)``
+    (same bits, fewer passes). Raises ``ValueError`` on bad params, offsets that do not start
+    at 0, end at N and grow by at least 1 per group, or a non-finite reward.
+    """
+    validate_params(params)
+    values = np.ascontiguousarray(values, dtype=np.float64)
+    bounds: NDArray[np.int64] = np.asarray(offsets).astype(OFFSETS, copy=False)
+    if values.ndim != 1 or bounds.ndim != 1 or bounds.shape[0] < 1:
+        raise ValueError(
+            f"values must be (N,) and offsets (G + 1,); got {values.shape}, {bounds.shape}"
+        )
+    n_groups = bounds.shape[0] - 1
+    lengths = np.diff(bounds)
+    if int(bounds[0]) != 0 or int(bounds[-1]) != values.shape[0]:
+        raise ValueError(f"offsets must run from 0 to N = {values.shape[0]}")
+    shortest = int(lengths.min()) if n_groups else 0
+    if n_groups and shortest < 1:
+        empty = np.flatnonzero(lengths < 1)
+        raise ValueError(f"groups without rewards at positions {empty[:10].tolist()}")
+    if n_groups and int(lengths.max()) == shortest:
+        n = shortest
+        _check_finite(values, n)
+        matrix = values.reshape(n_groups, n)
+        return _batch(values, bounds, ROW_ESTIMATORS[params.name](matrix, params), params, n)
+    _check_finite(values, bounds)
+    lengths = lengths.astype(np.intp, copy=False)
+    segment_ids = np.repeat(np.arange(n_groups, dtype=np.intp), lengths)
+    out = ESTIMATORS[params.name](values, segment_ids, lengths, params)
+    return _batch(values, bounds, out, params, 0)
+
+
+def _pack(groups: Sequence[GroupRewards]) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
+    """Concatenate the groups into values (N,) float64 and return them with offsets (G + 1,)."""
+    lengths = np.fromiter(map(len, groups), dtype=OFFSETS, count=len(groups))
+    offsets = np.zeros(len(groups) + 1, dtype=OFFSETS)
+    np.cumsum(lengths, out=offsets[1:])
+    n_rewards = int(offsets[-1])
     # Checking the first group first keeps the common all-lists case free of an O(G) scan.
     if isinstance(groups[0], np.ndarray) and all(isinstance(g, np.ndarray) for g in groups):
-        rewards = np.concatenate(cast(Sequence[NDArray[np.float64]], groups)).astype(
+        values = np.concatenate(cast(Sequence[NDArray[np.float64]], groups)).astype(
             np.float64, copy=False
         )
     else:
         # One pass over Python floats; np.asarray per group would be one NumPy call per group.
-        rewards = np.fromiter(
+        values = np.fromiter(
             itertools.chain.from_iterable(groups), dtype=np.float64, count=n_rewards
         )
-    if rewards.shape != (n_rewards,):
+    if values.shape != (n_rewards,):
         raise ValueError("each group must be a flat (1-D) sequence of rewards")
-    return rewards, lengths
+    return values, offsets
 
 
 def reduce_groups(
@@ -71,50 +240,21 @@ def reduce_groups(
 
     ``rewards_per_group[g]`` is the (n_g,) rewards of group g, reward units, as a sequence of
     floats or a 1-D array. Every group needs at least one reward, and every reward must be
-    finite (the caller, which records rewards, rejects non-finite ones; this is checked here
-    again in O(N) because a NaN would silently poison a whole group). Raises ``ValueError`` on
-    bad params, an empty group, a non-flat group or a non-finite reward. No groups, no result.
+    finite. Raises ``ValueError`` on bad params, an empty group, a non-flat group or a
+    non-finite reward. No groups, no result.
     """
     validate_params(params)
     if not rewards_per_group:
         return []
-    rewards, lengths = _pack(rewards_per_group)
-    if int(lengths.min()) == 0:
-        empty = np.flatnonzero(lengths == 0)
-        raise ValueError(f"groups without rewards at positions {empty[:10].tolist()}")
-    if not np.isfinite(rewards).all():
-        bad_rewards = np.flatnonzero(~np.isfinite(rewards))
-        bad_groups = np.unique(np.searchsorted(np.cumsum(lengths), bad_rewards, side="right"))
-        raise ValueError(f"non-finite rewards in groups at positions {bad_groups[:10].tolist()}")
-
-    segment_ids = np.repeat(np.arange(lengths.shape[0], dtype=np.intp), lengths)
-    out = ESTIMATORS[params.name](rewards, segment_ids, lengths, params)
-    advantages = out.advantages
-    advantages.flags.writeable = False  # results are frozen; so are the views they hold
-
-    ends = np.cumsum(lengths).tolist()
-    return [
-        GroupAdvantages(advantages[end - n : end], mean, std, degenerate)
-        for end, n, mean, std, degenerate in zip(
-            ends,
-            lengths.tolist(),
-            out.mean.tolist(),
-            out.std.tolist(),
-            out.degenerate.tolist(),
-            strict=True,
-        )
-    ]
+    return reduce_segments(*_pack(rewards_per_group), params).groups()
 
 
 class AdvantageReducer:
-    """Reduces a micro-batch of groups that may carry different ``EstimatorParams``.
-
-    Groups that share params (typically all of them) go through one ``reduce_groups`` call;
-    results come back in input order. ``calls`` counts those vectorized calls since creation,
+    """Reduces micro-batches; ``calls`` counts the vectorized estimator calls since creation,
     so tests and metrics can see that a batch was not reduced group by group.
 
-    With ``batch_std`` the "batch" is the set of groups in one ``reduce`` call that share the
-    params, so it depends on which groups completed in the same window.
+    With ``batch_std`` the "batch" is the set of groups in one call that share the params, so
+    it depends on which groups completed in the same window.
     """
 
     __slots__ = ("calls",)
@@ -122,13 +262,28 @@ class AdvantageReducer:
     def __init__(self) -> None:
         self.calls: int = 0
 
+    def reduce_matrix(self, matrix: NDArray[np.float64], params: EstimatorParams) -> ReducedBatch:
+        """``reduce_matrix``, counted."""
+        batch = reduce_matrix(matrix, params)
+        self.calls += 1
+        return batch
+
+    def reduce_segments(
+        self, values: NDArray[np.float64], offsets: NDArray[np.integer], params: EstimatorParams
+    ) -> ReducedBatch:
+        """``reduce_segments``, counted."""
+        batch = reduce_segments(values, offsets, params)
+        self.calls += 1
+        return batch
+
     def reduce(
         self, batch: Sequence[tuple[GroupRewards, EstimatorParams]]
     ) -> list[GroupAdvantages]:
         """Reduce every ``(rewards, params)`` pair; result i belongs to ``batch[i]``.
 
-        All distinct params are validated before any work, so a bad entry fails the whole
-        batch with ``ValueError`` and nothing is half-done.
+        Groups that share params go through one call. All distinct params are validated
+        before any work, so a bad entry fails the whole batch with ``ValueError`` and nothing
+        is half-done.
         """
         positions: dict[EstimatorParams, list[int]] = {}
         for i, (_, params) in enumerate(batch):

@@ -919,6 +919,7 @@ class SessionRouter:
         group.rewarded += 1
         if metric is not None:
             session.filter_metric = float(metric)
+        self.groups.record_reward(group, session)
         if self.journal is not None:
             self.journal.reward(group.seq, session.index, session.reward)
             if metric is not None:

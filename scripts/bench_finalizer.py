@@ -1,0 +1,285 @@
+#!/usr/bin/env python3
+"""Benchmark the finalizer's path against verl's GRPO loop and a NumPy bandwidth floor.
+
+One workload: ``--rewards`` binary rewards (default 1,000,000) in complete groups of
+``--group-size`` (default 8), GRPO with eps 1e-6 and ddof 1. Contenders, in milliseconds,
+medians over ``--repeats`` rounds; within a round the contenders run one after the other, in
+an order that rotates from round to round, so that drifting load hits each of them alike:
+
+- ``verl``: a faithful, torch-free port of verl's ``compute_grpo_outcome_advantage``
+  (``verl/trainer/ppo/core_algos.py``, volcengine/verl main): a per-sample loop that appends
+  each score to a ``defaultdict(list)`` keyed by the sample's uid (a uuid4 string, as verl's
+  ``non_tensor_batch["uid"]``), per-uid ``stack``/``mean``/``std`` (unbiased, as
+  ``torch.std``), then a per-sample loop writing ``(score - mean) / (std + eps)`` back. NumPy
+  arrays and scalars stand in for the torch tensors; the token dimension (``sum(dim=-1)``
+  before, ``unsqueeze(-1) * response_mask`` after) is left out: one scalar reward per sample.
+- ``kernel``: the row-path estimator alone (``ROW_ESTIMATORS["grpo"]``) on the (G, n) matrix.
+- ``finalizer``: the finalizer's array path, from the groups as the router queues them
+  (rewards recorded in their arena rows by ``GroupLedger.record_reward``, one
+  ``FinishedGroup`` per group handed to ``submit`` by the router's ``_finish``) to one
+  ``FinalizedBatch`` out: ``reduce_queued`` (gather of the rows, finiteness check, reduction,
+  cursors, filter-metric rule, rows released). No journal.
+- ``+submit``: the same plus the G ``submit`` calls (one Python call per group, made by the
+  router as each group finishes, so really part of its per-group finishing cost).
+- ``+publish``: ``finalizer`` plus ``publish`` of the batch to a ``GroupFeed``: one
+  ``GroupResult`` per group (session names, views) for today's per-group consumers. Shown for
+  what it costs; the targets are about the array path.
+- ``floor``: ``np.subtract(a, b, out=c)`` over N float64: read 16 MB, write 8 MB at 1M
+  rewards, the least any pass from rewards to advantages can touch.
+
+Setting up the router state (groups, members, recorded rewards) is not timed, and is rebuilt
+identically before every timed finalizer run (the run releases the rows). Every contender's
+advantages are checked against the others' before timing. Prints ``uptime`` before and after.
+Imports nothing from verl. Run: ``.venv/bin/python scripts/bench_finalizer.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from sessionrouter.server.core.estimators import ROW_ESTIMATORS, EstimatorParams
+from sessionrouter.server.core.feed import GroupFeed, GroupOutcome
+from sessionrouter.server.core.finalizer import FinalizedBatch, FinishedGroup, GroupFinalizer
+from sessionrouter.server.core.groups import (
+    GroupLedger,
+    GroupRecord,
+    GroupSettings,
+    RewardArena,
+    SessionRecord,
+    SessionState,
+)
+
+PARAMS = EstimatorParams("grpo", eps=1e-6, ddof=1)
+TARGETS = {"verl/finalizer": 300.0, "finalizer/floor": 30.0, "kernel/floor": 10.0}
+"""At least (verl/...) or at most (.../floor) these ratios."""
+
+
+def verl_grpo_outcome_advantage(
+    scores: NDArray[np.float64],
+    index: NDArray[np.object_],
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> NDArray[np.float64]:
+    """verl's ``compute_grpo_outcome_advantage`` loop, ported line by line without torch.
+
+    ``scores`` (bs,) one scalar reward per sample; ``index`` (bs,) the uid string of each
+    sample's prompt. ``torch.stack``/``mean``/``std`` become ``np.stack``/``np.mean``/
+    ``np.std(ddof=1)``; a group of one gets mean 0 and std 1, as in verl.
+    """
+    scores = scores.copy()  # verl's scores is a new tensor (the sum over tokens)
+    id2score: defaultdict[object, list[np.float64]] = defaultdict(list)
+    id2mean: dict[object, np.float64] = {}
+    id2std: dict[object, np.float64] = {}
+
+    bsz = scores.shape[0]
+    for i in range(bsz):
+        id2score[index[i]].append(scores[i])
+    for idx in id2score:
+        if len(id2score[idx]) == 1:
+            id2mean[idx] = np.float64(0.0)
+            id2std[idx] = np.float64(1.0)
+        elif len(id2score[idx]) > 1:
+            scores_tensor = np.stack(id2score[idx])
+            id2mean[idx] = np.float64(np.mean(scores_tensor))
+            id2std[idx] = np.float64(np.std(scores_tensor, ddof=1))
+        else:
+            raise ValueError(f"no score in prompt index: {idx}")
+    for i in range(bsz):
+        if norm_adv_by_std_in_grpo:
+            scores[i] = (scores[i] - id2mean[index[i]]) / (id2std[index[i]] + epsilon)
+        else:
+            scores[i] = scores[i] - id2mean[index[i]]
+    return scores
+
+
+@dataclass(slots=True)
+class RouterState:
+    """Finished groups as the router hands them to the finalizer."""
+
+    groups: list[GroupRecord]
+    finished: list[FinishedGroup]
+    arena: RewardArena
+    matrix: NDArray[np.float64]
+
+    def reset(self) -> None:
+        """Back to "every reward recorded, nothing finalized": fresh arena rows holding the
+        rewards, as ``GroupLedger.add_group`` and ``record_reward`` left them."""
+        arena = RewardArena(self.arena.width, capacity=len(self.groups))
+        for group in self.groups:
+            group.arena, group.arena_row = arena, arena.allocate()
+        arena.values[: len(self.groups)] = self.matrix
+        self.arena = arena
+
+
+def build_state(matrix: NDArray[np.float64]) -> RouterState:
+    """G groups of n members through the ledger, every reward recorded by ``record_reward``."""
+    n_groups, n = matrix.shape
+    ledger = GroupLedger(finished_retention=n_groups)
+    settings = GroupSettings(PARAMS, deadline_s=600.0, min_members=2)
+    groups, finished = [], []
+    rewards = matrix.tolist()
+    for g in range(n_groups):
+        gid = f"g{g}"
+        group = GroupRecord(gid, "task", n, settings, 0.0, 600.0, 600.0, ledger.next_seq())
+        ledger.add_group(group)
+        for i, reward in enumerate(rewards[g]):
+            session = SessionRecord(gid, i, "task", f"w{i}", f"10.0.0.{i}:1", "", {}, 0.0)
+            group.members.append(session)
+            session.reward, session.state = reward, SessionState.REWARDED
+            group.rewarded += 1
+            ledger.record_reward(group, session)
+        groups.append(group)
+        finished.append(
+            FinishedGroup(group, GroupOutcome.COMPLETE, tuple(group.members), (), 0.0, None)
+        )
+    arena = ledger.arenas[n]
+    assert np.array_equal(arena.values[[g.arena_row for g in groups]], matrix)
+    return RouterState(groups, finished, arena, matrix)
+
+
+def queued(state: RouterState) -> GroupFinalizer:
+    """A finalizer with every finished group submitted (what the router's ``_finish`` does)."""
+    finalizer = GroupFinalizer(GroupFeed(retention=len(state.finished) + 1), 0.0, 1 << 30)
+    for f in state.finished:
+        finalizer.submit(f)
+    return finalizer
+
+
+def finalizer_path(finalizer: GroupFinalizer, publish: bool) -> FinalizedBatch:
+    """The array path from the queue (and, with ``publish``, the per-group publication)."""
+    batch = finalizer.reduce_queued()
+    assert batch is not None
+    if publish:
+        finalizer.publish(batch)
+    return batch
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "load average {:.2f}, {:.2f}, {:.2f}".format(*os.getloadavg())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--rewards", type=int, default=1_000_000)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds (medians over them)")
+    parser.add_argument("--quick", action="store_true", help="80k rewards, 3 rounds")
+    args = parser.parse_args(argv)
+    n_rewards, n, repeats = args.rewards, args.group_size, args.repeats
+    if args.quick:
+        n_rewards, repeats = 80_000, 3
+    n_groups = n_rewards // n
+    n_rewards = n_groups * n
+
+    print(f"# command: {shlex.join([sys.executable, *sys.argv])}")
+    print(f"# uptime before: {uptime()}")
+    print(
+        f"# numpy {np.__version__}, python {platform.python_version()}, {platform.machine()},"
+        f" {os.cpu_count()} cpus; {n_rewards:,} binary rewards in {n_groups:,} groups of {n};"
+        f" grpo eps={PARAMS.eps} ddof={PARAMS.ddof}; medians of {repeats} rounds, order rotated"
+    )
+    rng = np.random.default_rng(n_rewards + n)
+    matrix = rng.integers(0, 2, (n_groups, n)).astype(np.float64)
+    flat = matrix.reshape(-1)
+    uids = np.array([str(uuid.uuid4()) for _ in range(n_groups)], dtype=object)
+    index = np.repeat(uids, n)
+    state = build_state(matrix)
+    other = rng.random(n_rewards)
+    out = np.empty(n_rewards)
+
+    # The contenders must agree, or the timings mean nothing.
+    verl = verl_grpo_outcome_advantage(flat, index, PARAMS.eps)
+    kernel = ROW_ESTIMATORS["grpo"](matrix, PARAMS).advantages
+    state.reset()
+    batch = finalizer_path(queued(state), publish=False)
+    assert np.array_equal(batch.advantages, kernel)
+    assert np.array_equal(batch.values, flat)
+    np.testing.assert_allclose(verl, kernel, rtol=0, atol=1e-12)
+
+    # Each contender: (untimed setup, timed call on what the setup returned).
+    def nothing() -> GroupFinalizer | None:
+        return None
+
+    def queue() -> GroupFinalizer | None:
+        return queued(state)
+
+    def from_queue(publish: bool) -> Callable[[GroupFinalizer | None], object]:
+        def run(finalizer: GroupFinalizer | None) -> object:
+            assert finalizer is not None
+            return finalizer_path(finalizer, publish)
+
+        return run
+
+    contenders: dict[
+        str, tuple[Callable[[], GroupFinalizer | None], Callable[[GroupFinalizer | None], object]]
+    ] = {
+        "verl": (nothing, lambda _: verl_grpo_outcome_advantage(flat, index, PARAMS.eps)),
+        "kernel": (nothing, lambda _: ROW_ESTIMATORS["grpo"](matrix, PARAMS)),
+        "finalizer": (queue, from_queue(publish=False)),
+        "+submit": (nothing, lambda _: finalizer_path(queued(state), publish=False)),
+        "+publish": (queue, from_queue(publish=True)),
+        "floor": (nothing, lambda _: np.subtract(flat, other, out=out)),
+    }
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    names = list(contenders)
+    for name, (setup, timed) in contenders.items():  # warm-up: page faults, lazy imports
+        if name != "verl":
+            state.reset()
+            timed(setup())
+    for round_ in range(repeats):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            setup, timed = contenders[name]
+            state.reset()
+            prepared = setup()
+            start = time.perf_counter()
+            timed(prepared)
+            times[name].append(time.perf_counter() - start)
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    spread = {name: (min(t) * 1e3, max(t) * 1e3) for name, t in times.items()}
+
+    print(f"{'contender':>10} {'median ms':>10} {'min..max ms':>18}")
+    for name in names:
+        low, high = spread[name]
+        print(f"{name:>10} {ms[name]:>10.2f} {low:>8.2f}..{high:<9.2f}")
+    ratios = {
+        "verl/finalizer": ms["verl"] / ms["finalizer"],
+        "verl/+submit": ms["verl"] / ms["+submit"],
+        "verl/+publish": ms["verl"] / ms["+publish"],
+        "verl/kernel": ms["verl"] / ms["kernel"],
+        "finalizer/floor": ms["finalizer"] / ms["floor"],
+        "+submit/floor": ms["+submit"] / ms["floor"],
+        "+publish/floor": ms["+publish"] / ms["floor"],
+        "kernel/floor": ms["kernel"] / ms["floor"],
+    }
+    for name, value in ratios.items():
+        target = TARGETS.get(name)
+        verdict = ""
+        if target is not None:
+            met = value >= target if name.startswith("verl/") else value <= target
+            sign = ">=" if name.startswith("verl/") else "<="
+            verdict = f"  target {sign} {target:g}: {'met' if met else 'NOT met'}"
+        print(f"# {name:>16} {value:>9.1f}x{verdict}")
+    print(f"# uptime after: {uptime()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
