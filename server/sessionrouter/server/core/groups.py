@@ -200,7 +200,8 @@ class GroupRecord:
     admission_epoch: int = 0
     """The staleness counters' epoch the group counts in; 0 when it does not count."""
     arena: RewardArena | None = None
-    """Where the rewards of this open group are kept (row ``arena_row``); None once final."""
+    """Where the rewards of this group are kept while it is open (row ``arena_row``; the row
+    is handed back, and may belong to another group, once the group was reduced)."""
     arena_row: int = -1
     reduce_key: int = -1
     """Same value for groups of the same size and estimator params (set by the ledger): lets
