@@ -41,6 +41,7 @@ REWARD_STATUS = {
     rewards.RewardStatus.SESSION_ABORTED: spb.REWARD_STATUS_SESSION_ABORTED,
     rewards.RewardStatus.GROUP_CLOSED: spb.REWARD_STATUS_GROUP_CLOSED,
     rewards.RewardStatus.INVALID_VERSIONS: spb.REWARD_STATUS_INVALID_VERSIONS,
+    rewards.RewardStatus.WRONG_SHARD: spb.REWARD_STATUS_WRONG_SHARD,
 }
 _PLACEMENT: dict[int, placement.PlacementMode | None] = {
     spb.PLACEMENT_MODE_UNSPECIFIED: None,

@@ -188,13 +188,18 @@ def _feed_messages(
 
 
 def _ack_to_proto(ack: RewardAck) -> spb.RewardAck:
-    return spb.RewardAck(
+    reply = spb.RewardAck(
         sequence=ack.sequence,
         results=[
             spb.RewardResult(status=convert.REWARD_STATUS[r.status], detail=r.detail)
             for r in ack.results
         ],
     )
+    for result, outcome in zip(reply.results, ack.results, strict=True):
+        if outcome.owner_shard is not None:  # WRONG_SHARD: where the entry belongs
+            result.owner_shard = outcome.owner_shard
+            result.owner_address = outcome.owner_address
+    return reply
 
 
 class WorkerServicer(_Refusing, wpb_grpc.WorkerServiceServicer):

@@ -23,12 +23,18 @@ class RewardStatus(enum.Enum):
     """The group was finalized or dropped without this session."""
     INVALID_VERSIONS = "invalid_versions"
     """min_version above max_version."""
+    WRONG_SHARD = "wrong_shard"
+    """The session's group belongs to another shard (sharded routers): send it there."""
 
 
 @dataclass(frozen=True, slots=True)
 class RewardOutcome:
     status: RewardStatus
     detail: str = ""
+    owner_shard: int | None = None
+    """WRONG_SHARD: the shard that owns the session's group."""
+    owner_address: str = ""
+    """WRONG_SHARD: that shard's advertised address, when known."""
 
 
 ACCEPTED = RewardOutcome(RewardStatus.ACCEPTED)

@@ -172,6 +172,11 @@ class SessionRouter:
         self.weight_update: WeightUpdate | None = None
         """The weight update in progress, if any (its workers have ``updating_to`` set)."""
         self._admission_changed = asyncio.Event()
+        self.new_group_id: Callable[[], str] = _random_group_id
+        """Makes the id of a group started without one (a sharded router mints ids it owns)."""
+        self.foreign_reward: Callable[[str], RewardOutcome | None] | None = None
+        """For a reward entry naming a group this router does not hold: the outcome when the
+        group is another shard's (WRONG_SHARD), None to answer UNKNOWN_SESSION."""
 
     # -- the router's life -----------------------------------------------------------------
 
@@ -537,7 +542,7 @@ class SessionRouter:
             self._check_room(size, task_id, metadata)
             settings = resolve_options(cmd.options, size, self.settings, cmd.placement_mode)
             self._check_admission()
-            group_id = cmd.group_id or uuid.uuid4().hex
+            group_id = cmd.group_id or self.new_group_id()
             group = self._new_group(group_id, task_id, size, settings)
             try:
                 session = self._place_member(group, request_id, metadata)
@@ -578,7 +583,9 @@ class SessionRouter:
         self._check_room(cmd.group_size, task_id, metadata)
         settings = resolve_options(cmd.options, cmd.group_size, self.settings, cmd.placement_mode)
         self._check_admission()
-        group = self._new_group(cmd.group_id or uuid.uuid4().hex, task_id, cmd.group_size, settings)
+        group = self._new_group(
+            cmd.group_id or self.new_group_id(), task_id, cmd.group_size, settings
+        )
         try:
             for _ in range(cmd.group_size):
                 self._place_member(group, request_id, metadata)
@@ -876,6 +883,10 @@ class SessionRouter:
         parsed = try_parse_session_name(name)
         session = None if parsed is None else self.groups.find_session(*parsed)
         if session is None:
+            if parsed is not None and self.foreign_reward is not None:
+                foreign = self.foreign_reward(parsed[0])
+                if foreign is not None:
+                    return foreign
             return RewardOutcome(
                 RewardStatus.UNKNOWN_SESSION,
                 f"no session named {name[:200]!r}"
@@ -1024,3 +1035,7 @@ class SessionRouter:
             feed_cursor=self.feed.last_cursor,
             finalized_on_restore=len(rebuilt.settled),
         )
+
+
+def _random_group_id() -> str:
+    return uuid.uuid4().hex
