@@ -10,12 +10,14 @@ it; ``shard_process`` a ``sessionrouter serve`` process.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.metadata
 import json
 import signal
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from sessionrouter.client.shardmap import shard_of
@@ -24,6 +26,7 @@ from sessionrouter.server.config import JournalConfig
 from sessionrouter.server.core.router import RouterSettings
 from sessionrouter.server.journal import SyncMode
 from sessionrouter.server.shards.identity import ShardConfig, ShardIdentity
+from sessionrouter.v1 import session_service_pb2 as spb
 from tests.support import Harness, start_harness
 
 
@@ -132,3 +135,53 @@ async def start_shard(
         journal=journal,
         **config,
     )
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
+    """Waits until ``check()`` is true (NATS watches deliver within milliseconds, load
+    publishing within a second); AssertionError after ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"not true within {timeout_s} s: {check}")
+        await asyncio.sleep(0.02)
+
+
+async def finish_group(h: Harness, group_id: str, rewards: list[float]) -> None:
+    """Starts ``group_id`` with one member per reward on shard ``h`` and rewards them all,
+    on one stream, until the ack (the group is then finalized and queued for the feed)."""
+    started = await h.sessions.StartGroup(
+        spb.StartGroupRequest(task_id="t", group_id=group_id, group_size=len(rewards))
+    )
+    call = h.sessions.SubmitRewards()
+    entries = [
+        spb.RewardEntry(session=m.name, reward=r)
+        for m, r in zip(started.group.members, rewards, strict=True)
+    ]
+    await call.write(spb.SubmitRewardsRequest(sequence=1, entries=entries))
+    await call.done_writing()
+    async for response in call:
+        assert isinstance(response, spb.SubmitRewardsResponse)
+        if response.group_results:
+            break
+    call.cancel()
+
+
+async def read_merged(
+    h: Harness, after: int, count: int, skip_degenerate: bool = False, timeout_s: float = 10.0
+) -> list[spb.SubscribeGroupsResponse]:
+    """Feed messages of shard ``h`` after ``after`` until ``count`` groups are covered."""
+    call = h.sessions.SubscribeGroups(
+        spb.SubscribeGroupsRequest(after_cursor=after, skip_degenerate=skip_degenerate)
+    )
+    got: list[spb.SubscribeGroupsResponse] = []
+    covered = 0
+    try:
+        while covered < count:
+            response = await asyncio.wait_for(call.read(), timeout_s)
+            assert isinstance(response, spb.SubscribeGroupsResponse)
+            got.append(response)
+            covered += len(response.groups) + response.skipped_degenerate
+    finally:
+        call.cancel()
+    return got

@@ -173,7 +173,11 @@ class RouterServer:
         if cfg.metrics_port is not None:  # before serving: a taken port fails the start cleanly
             self._serve_metrics(registry)
         if self.shards is not None:  # before serving: no NATS or another shard count, no start
-            await self.shards.start(f"{cfg.listen.rsplit(':', 1)[0]}:{self.port}")
+            try:
+                await self.shards.start(f"{cfg.listen.rsplit(':', 1)[0]}:{self.port}")
+            except BaseException:
+                await server.stop(None)
+                raise
         await server.start()
         self._server = server
         self.activity.start(self.router.snapshot())

@@ -61,34 +61,36 @@ class NatsLink:
     async def connect(self, window_s: float = CONNECT_WINDOW_S) -> None:
         """Connects within ``window_s`` seconds; ShardStartError naming the URL otherwise."""
         try:
-            import nats
+            from nats.aio.client import Client
         except ImportError as exc:
             raise _missing_extra(exc) from None
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + window_s
-        last: BaseException | None = None
-        while True:
-            try:
-                self.nc = await nats.connect(
+        client = Client()
+        try:
+            # Reconnecting forever is what a serving shard wants; the first connection is
+            # bounded by the window instead.
+            await asyncio.wait_for(
+                client.connect(
                     self.url,
-                    connect_timeout=max(0.2, min(2.0, deadline - loop.time())),
+                    connect_timeout=max(1, int(min(2.0, window_s))),
                     allow_reconnect=True,
                     max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,
+                    reconnect_time_wait=1,
                     disconnected_cb=self._disconnected,
                     reconnected_cb=self._reconnected,
                     error_cb=self._error,
                     closed_cb=self._closed,
-                )
-                break
-            except Exception as exc:  # OSError, TimeoutError, nats.errors.NoServersError
-                last = exc
-            if loop.time() >= deadline:
-                raise ShardStartError(
-                    f"NATS at {self.url} is unreachable (tried for {window_s:g} s):"
-                    f" {type(last).__name__} {last}".rstrip()
-                )
-            await asyncio.sleep(0.25)
+                ),
+                window_s,
+            )
+        except Exception as exc:  # TimeoutError (the window), OSError, nats errors
+            with contextlib.suppress(Exception):
+                await client.close()
+            problem = getattr(client, "last_error", None) or exc
+            raise ShardStartError(
+                f"NATS at {self.url} is unreachable (tried for {window_s:g} s):"
+                f" {type(problem).__name__} {problem}".rstrip()
+            ) from None
+        self.nc = client
         self.js = self.nc.jetstream(timeout=5.0)
         self._set(True)
 
@@ -150,12 +152,14 @@ class NatsLink:
             self._set(False)
 
     async def close(self) -> None:
+        """Drains (at most 2 s: a publish in flight gets its ack) and closes."""
         self._closing = True
         if self.nc is not None:
+            if self.connected:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.nc.drain(), 2.0)
             with contextlib.suppress(Exception):
-                await self.nc.drain()
-            with contextlib.suppress(Exception):
-                await self.nc.close()
+                await asyncio.wait_for(self.nc.close(), 2.0)
 
 
 async def retry_forever(

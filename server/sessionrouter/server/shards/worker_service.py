@@ -52,6 +52,8 @@ class ShardedWorkerServicer(WorkerServicer):
                 last_heartbeat_time=convert.timestamp(entry.heartbeat),
             )
         msg.capacity = entry.capacity
+        # The pool's last heartbeat, whichever shard received it.
+        msg.last_heartbeat_time.CopyFrom(convert.timestamp(entry.heartbeat))
         msg.shard_capacity = share(entry.worker_id, entry.capacity, self._pool.shard)
         msg.cluster_open_sessions = self._pool.cluster_open(entry.worker_id)
         return msg
