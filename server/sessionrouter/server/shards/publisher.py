@@ -18,7 +18,8 @@ The epoch is the journal's identity (a random one without a journal): a shard wh
 differs from the last message's has a new feed whose cursors start again, and publishes all
 of it. A backlog longer than the shard's feed retention (``--feed-retention``, bytes bound
 too) loses its oldest results from the merged feed; that is logged as an error with the
-count, and the groups stay readable with GetGroup on their shard.
+count, and the groups stay readable with GetGroup on their shard. So does a result larger
+than NATS's ``max_payload`` (1 MiB by default; raise it to 2 MiB for the largest groups).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class FeedPublisher:
                 continue
             acks = await asyncio.gather(*(self._publish(r) for r in batch))
             for result, ack in zip(batch, acks, strict=True):
-                if ack.duplicate:
+                if ack is not None and ack.duplicate:
                     log.debug(
                         "duplicate dropped by the stream", extra={"group_id": result.group_id}
                     )
@@ -142,6 +143,23 @@ class FeedPublisher:
             self.published += len(batch)
 
     async def _publish(self, result: GroupResult) -> Any:
+        """Publishes one result and returns JetStream's ack; None for a result larger than
+        NATS's ``max_payload``, which is logged and skipped (waiting would stop this shard's
+        publication for good)."""
+        payload = payload_of(result, self.shard.index)
+        limit = int(self.link.nc.max_payload)
+        if len(payload) + 512 > limit:
+            self.lost += 1
+            log.error(
+                "group result larger than NATS max_payload: not in the merged feed",
+                extra={
+                    "event": "feed_publish_too_large",
+                    "group_id": result.group_id,
+                    "bytes": len(payload),
+                    "max_payload": limit,
+                },
+            )
+            return None
         headers = {
             "Nats-Msg-Id": result.group_id,
             CURSOR_HEADER: str(result.cursor),
@@ -150,7 +168,7 @@ class FeedPublisher:
         }
         return await self.link.js.publish(
             self.subject,
-            payload_of(result, self.shard.index),
+            payload,
             stream=FEED_STREAM,
             headers=headers,
         )
