@@ -5,7 +5,9 @@ from the package's files, so no PATH lookup and no download), on 127.0.0.1 with 
 a directory of the test's, on a port the server picked itself (``-p -1``) and wrote to its
 ports file. ``restart`` starts it again on that same port with the same store, as a NATS
 outage ends. ``start_shard`` starts an in-process shard (``tests.support.Harness``) against
-it; ``shard_process`` a ``sessionrouter serve`` process.
+it; ``shard_args`` gives the arguments of a ``sessionrouter serve`` shard process
+(``tests.router_process.RouterProcess``). ``finish_group``, ``read_merged``, ``owned_group``
+and ``eventually`` are the steps the shard tests share.
 """
 
 from __future__ import annotations
@@ -111,6 +113,13 @@ def owned_group(index: int, count: int, prefix: str = "g") -> str:
     while shard_of(f"{prefix}-{n}", count) != index:
         n += 1
     return f"{prefix}-{n}"
+
+
+def shard_args(url: str, index: int, count: int, state_dir: Path | None = None) -> list[str]:
+    """``sessionrouter serve`` arguments of shard ``index``/``count`` against NATS at ``url``
+    (for ``tests.router_process.RouterProcess``): journal in ``state_dir``, else in memory."""
+    journal = ["--state-dir", str(state_dir)] if state_dir is not None else ["--in-memory"]
+    return ["--shard", f"{index}/{count}", "--nats-url", url, *journal]
 
 
 async def start_shard(

@@ -11,6 +11,7 @@ import pytest
 
 from sessionrouter.client.shardmap import shard_of
 from sessionrouter.server.app import WorkerSpec
+from sessionrouter.server.shards.link import FEED_STREAM
 from sessionrouter.v1 import session_service_pb2 as spb
 from tests.shards.support import (
     NatsServer,
@@ -74,6 +75,12 @@ async def test_every_group_once_in_one_sequence_from_any_shard(shards: list[Harn
     assert isinstance(response, spb.SubscribeGroupsResponse)
     assert [(g.cursor, g.group_id) for g in response.groups] == [(len(expected) + 1, late)]
     call.cancel()
+
+    async def no_consumers_left() -> bool:  # each ended subscription removed its consumer
+        info = await shards[0].server.shards.link.js.stream_info(FEED_STREAM)
+        return int(info.state.consumer_count) == 0
+
+    await eventually(no_consumers_left)
 
 
 async def _pool_ready(shards: list[Harness]) -> bool:

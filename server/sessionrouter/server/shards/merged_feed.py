@@ -184,5 +184,10 @@ class ShardedSessionServicer(SessionServicer):
         finally:
             feed.unsubscribe(subscription)
             if consumer is not None:
+                with contextlib.suppress(Exception):  # else the server drops it when inactive
+                    info = await asyncio.wait_for(consumer.consumer_info(), 1.0)
+                    await asyncio.wait_for(
+                        self._link.js.delete_consumer(FEED_STREAM, info.name), 1.0
+                    )
                 with contextlib.suppress(Exception):
                     await consumer.unsubscribe()
