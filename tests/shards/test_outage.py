@@ -141,3 +141,30 @@ async def test_nats_outage_keeps_shards_serving_and_publishes_the_backlog(
     finally:
         for h in shards:
             await stop_harness(h)
+
+
+async def test_a_shard_without_journal_publishes_its_new_feed_after_a_restart(
+    nats_server: NatsServer,
+) -> None:
+    """Its cursors start again at 1 (another feed epoch): nothing is skipped as published."""
+    s0 = await start_shard(nats_server.url, 0, 2, workers=WORKERS)
+    s1 = await start_shard(nats_server.url, 1, 2, workers=WORKERS)
+    try:
+        await eventually(functools.partial(_eligible, s0))
+        first = [owned_group(0, 2, prefix=f"mem{n}") for n in range(2)]
+        for group in first:
+            await finish_group(s0, group, [1.0, 0.0])
+        await _published(s0)
+        await stop_harness(s0)
+        s0 = await start_shard(nats_server.url, 0, 2, workers=WORKERS)
+        await eventually(functools.partial(_eligible, s0))
+        again = owned_group(0, 2, prefix="mem-after")
+        await finish_group(s0, again, [0.0, 1.0])
+        await _published(s0)
+        groups = [g for m in await read_merged(s1, 0, 3) for g in m.groups]
+        assert [(g.cursor, g.group_id) for g in groups] == list(
+            zip([1, 2, 3], [*first, again], strict=True)
+        )
+    finally:
+        await stop_harness(s0)
+        await stop_harness(s1)
