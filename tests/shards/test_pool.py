@@ -4,6 +4,8 @@ the global load visible from any shard."""
 
 from __future__ import annotations
 
+import asyncio
+import urllib.request
 from collections.abc import AsyncIterator
 
 import grpc
@@ -156,3 +158,25 @@ async def test_drain_heartbeat_and_deregistration_propagate(shards: list[Harness
         with pytest.raises(grpc.aio.AioRpcError) as missing:
             await h.workers.GetWorker(wpb.GetWorkerRequest(worker_id="w"))
         assert details_of(missing.value).reason == "WORKER_NOT_FOUND"
+
+
+async def test_metrics_show_the_shard_pool_and_feed(nats_server: NatsServer) -> None:
+    h = await start_shard(nats_server.url, 0, 2, metrics_port=0)
+    try:
+        await h.workers.RegisterWorker(
+            wpb.RegisterWorkerRequest(worker_id="w", address="10.0.0.1:30000", capacity=6)
+        )
+        await h.sessions.StartSession(spb.StartSessionRequest(task_id="t", group_size=2))
+        h.server.shards.tick()
+        url = f"http://127.0.0.1:{h.server.metrics_port}/metrics"
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
+        lines = set(text.decode().splitlines())
+        assert 'sessionrouter_shard{count="2",index="0"} 1.0' in lines
+        assert "sessionrouter_shard_nats_connected 1.0" in lines
+        assert "sessionrouter_shard_peers 1.0" in lines
+        assert "sessionrouter_shard_pool_workers 1.0" in lines
+        assert "sessionrouter_shard_pool_capacity 6.0" in lines
+        assert "sessionrouter_shard_pool_open_sessions 1.0" in lines
+        assert "sessionrouter_shard_feed_backlog_groups 0.0" in lines
+    finally:
+        await stop_harness(h)

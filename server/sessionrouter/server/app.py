@@ -211,6 +211,8 @@ class RouterServer:
         assert cfg.metrics_port is not None
         self._metrics = RouterCollector(self.router, self.refusals)
         registry.register(self._metrics)
+        if self.shards is not None:
+            registry.register(self.shards.collector())
         histograms = DomainHistograms(registry)
         self.router.on_group_finished = histograms.group_finished
         if self.journal is not None:

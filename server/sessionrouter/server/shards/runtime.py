@@ -21,6 +21,7 @@ from sessionrouter.server.shards.guard import ShardGuard
 from sessionrouter.server.shards.identity import Ownership, ShardConfig
 from sessionrouter.server.shards.link import NatsLink, retry_forever
 from sessionrouter.server.shards.merged_feed import ShardedSessionServicer
+from sessionrouter.server.shards.metrics import ShardCollector
 from sessionrouter.server.shards.pool import PoolMirror
 from sessionrouter.server.shards.publisher import FeedPublisher, feed_epoch
 from sessionrouter.server.shards.registry import ShardRegistry
@@ -49,6 +50,7 @@ class ShardRuntime:
         self.pool.keep_static(static_workers)
         self.publisher = FeedPublisher(router.feed, self.link, config.shard, feed_epoch(state_dir))
         self._tasks: list[asyncio.Task[None]] = []
+        self._collector: ShardCollector | None = None
         router.new_group_id = self.ownership.mint_group_id
         router.foreign_reward = self.ownership.foreign_reward
 
@@ -111,9 +113,17 @@ class ShardRuntime:
             ShardedWorkerServicer(self.router, self.pool, commit, refusals),
         )
 
+    def collector(self) -> ShardCollector:
+        """The shard's metrics (refreshed on every tick)."""
+        self._collector = ShardCollector(self.pool, self.publisher, lambda: self.registry)
+        return self._collector
+
     def tick(self) -> None:
-        """Called with the server's tick: keeps the last known pool while NATS is down."""
+        """Called with the server's tick: keeps the last known pool while NATS is down, and
+        copies the metrics."""
         self.pool.hold_while_down()
+        if self._collector is not None:
+            self._collector.refresh()
 
     async def stop(self, flush_s: float) -> None:
         """Publishes what is left (at most ``flush_s``), leaves the registry, disconnects."""
