@@ -223,7 +223,13 @@ class PoolMirror:
     async def deregister(self, worker_id: str) -> tuple[WorkerEntry, int, WorkerRecord | None]:
         """Removes the worker from the pool; returns it, the open sessions this shard lost
         and its local record (None when this shard had no share)."""
-        entry = self.get(worker_id)
+        local = self.router.find_worker(worker_id)
+        known = self.entries.get(worker_id)
+        if known is None and local is not None:
+            # Restored from this shard's journal but gone from the pool (its record expired):
+            # still removable here.
+            known = WorkerEntry(worker_id, local.address, local.capacity, dict(local.labels))
+        entry = known if known is not None else self.get(worker_id)
         if not self.link.connected:
             raise nats_unavailable("a deregistration")
         try:
@@ -232,9 +238,9 @@ class PoolMirror:
             raise
         except Exception:
             raise nats_unavailable("a deregistration") from None
-        local = self.router.find_worker(worker_id)
-        lost = 0
-        if local is not None:
+        # Our own watch may have removed it meanwhile: then it lost what it held before.
+        lost = len(local.open_sessions) if local is not None else 0
+        if self.router.find_worker(worker_id) is not None:
             local, lost = self.router.deregister_worker(worker_id)
         self.entries.pop(worker_id, None)
         return entry, lost, local
