@@ -11,6 +11,7 @@ import pytest
 
 from sessionrouter.client.shardmap import shard_of
 from sessionrouter.server.app import WorkerSpec
+from sessionrouter.v1 import resources_pb2 as pb
 from sessionrouter.v1 import session_service_pb2 as spb
 from tests.shards.support import NatsServer, owned_group, start_shard
 from tests.support import Harness, details_of, stop_harness
@@ -61,6 +62,16 @@ async def test_calls_for_another_shards_group_are_wrong_shard(shards: list[Harne
         assert details.metadata["shard_count"] == "3", name
         assert details.metadata["owner_address"] == s1.address, name
         assert details.metadata["group_id"] == group, name
+    # A malformed id is the core's INVALID_ARGUMENT on any shard, as on one router.
+    for bad in ("", "no spaces"):
+        details = details_of(
+            await _refused(
+                s0.sessions.StartGroup(
+                    spb.StartGroupRequest(task_id="t", group_id=bad, group_size=2)
+                )
+            )
+        )
+        assert (details.code, details.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ID")
     # The owner still serves it, untouched by the refusals.
     got = await s1.sessions.GetGroup(spb.GetGroupRequest(group_id=group))
     assert len(got.group.members) == 2
@@ -153,4 +164,4 @@ async def test_reward_entries_for_another_shard_get_wrong_shard(shards: list[Har
     call.cancel()
     # The other shard's session was not touched.
     group = await s1.sessions.GetGroup(spb.GetGroupRequest(group_id=theirs))
-    assert group.group.members[0].state != 2  # SESSION_STATE_REWARDED
+    assert group.group.members[0].state == pb.SESSION_STATE_OPEN

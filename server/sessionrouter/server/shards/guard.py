@@ -18,19 +18,28 @@ from typing import Any
 import grpc
 
 from sessionrouter.server.core.errors import RouterError
-from sessionrouter.server.core.validation import try_parse_session_name
+from sessionrouter.server.core.validation import check_id, try_parse_session_name
 from sessionrouter.server.shards.identity import GROUP_HEADER, Ownership
 from sessionrouter.server.status import Refusals
 
 _SERVICE = "/sessionrouter.v1.SessionService/"
 
 
+def _valid(group_id: str) -> str | None:
+    """The id when it is well formed; None leaves a malformed one to the core's own
+    INVALID_ARGUMENT, as on a single router."""
+    try:
+        return check_id("group_id", group_id)
+    except RouterError:
+        return None
+
+
 def _group_field(request: Any) -> str | None:
-    return request.group_id if request.HasField("group_id") else None
+    return _valid(request.group_id) if request.HasField("group_id") else None
 
 
 def _plain_group(request: Any) -> str | None:
-    return request.group_id or None
+    return _valid(request.group_id)
 
 
 def _session_group(request: Any) -> str | None:
