@@ -13,6 +13,7 @@ import nats
 import pytest
 
 from sessionrouter.server.config import ConfigError, build_config
+from sessionrouter.server.core.router import RouterSettings
 from sessionrouter.server.shards.link import SHARDS_BUCKET, ShardStartError
 from sessionrouter.v1 import session_service_pb2 as spb
 from tests.router_process import RouterProcess
@@ -112,4 +113,17 @@ async def test_a_count_mismatch_seen_while_serving_refuses_group_calls(
         assert details_of(caught.value).reason == "GROUP_NOT_FOUND"
     finally:
         await nc.close()
+        await stop_harness(s0)
+
+
+async def test_shards_with_another_heartbeat_timeout_share_the_buckets(
+    nats_server: NatsServer,
+) -> None:
+    """The first shard's buckets stay as made (their TTL is its heartbeat timeout)."""
+    s0 = await start_shard(nats_server.url, 0, 2)
+    s1 = await start_shard(nats_server.url, 1, 2, settings=RouterSettings(heartbeat_timeout_s=4))
+    try:
+        assert sorted(s1.server.shards.registry.peers) == [0, 1]
+    finally:
+        await stop_harness(s1)
         await stop_harness(s0)

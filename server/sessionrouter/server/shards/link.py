@@ -106,9 +106,20 @@ class NatsLink:
             raise ShardStartError(
                 f"NATS at {self.url} has no JetStream (start nats-server with -js): {exc}"
             ) from None
-        await self.js.create_key_value(bucket=SHARDS_BUCKET, history=1, ttl=max(15.0, ttl_s))
-        await self.js.create_key_value(bucket=WORKERS_BUCKET, history=1, ttl=ttl_s)
-        await self.js.create_key_value(bucket=LOAD_BUCKET, history=1, ttl=max(15.0, ttl_s))
+        for bucket, ttl in (
+            (SHARDS_BUCKET, max(15.0, ttl_s)),
+            (WORKERS_BUCKET, ttl_s),
+            (LOAD_BUCKET, max(15.0, ttl_s)),
+        ):
+            try:
+                await self.js.create_key_value(bucket=bucket, history=1, ttl=ttl)
+            except BadRequestError:
+                # Made by a shard with another heartbeat timeout: its TTL stays.
+                await self.js.key_value(bucket)
+                log.warning(
+                    "bucket exists with another TTL",
+                    extra={"event": "bucket_config_differs", "bucket": bucket, "ttl_s": ttl},
+                )
         config = api.StreamConfig(
             name=FEED_STREAM,
             subjects=[f"{FEED_SUBJECT_PREFIX}.*"],

@@ -19,7 +19,7 @@ from sessionrouter.server.core.router import SessionRouter
 from sessionrouter.server.core.streams import Commit
 from sessionrouter.server.shards.guard import ShardGuard
 from sessionrouter.server.shards.identity import Ownership, ShardConfig
-from sessionrouter.server.shards.link import NatsLink, retry_forever
+from sessionrouter.server.shards.link import NatsLink, ShardStartError, retry_forever
 from sessionrouter.server.shards.merged_feed import ShardedSessionServicer
 from sessionrouter.server.shards.metrics import ShardCollector
 from sessionrouter.server.shards.pool import PoolMirror
@@ -73,6 +73,15 @@ class ShardRuntime:
             await registry.join()
             self.registry = registry
             await self.pool.open()
+        except ShardStartError:
+            await self.link.close()
+            raise
+        except Exception as exc:  # a JetStream API error: one line, not a traceback
+            await self.link.close()
+            raise ShardStartError(
+                f"shard {self.config.shard} could not set up NATS at {self.config.nats_url}:"
+                f" {type(exc).__name__} {exc}"
+            ) from None
         except BaseException:
             await self.link.close()
             raise
