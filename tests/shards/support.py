@@ -177,11 +177,18 @@ async def finish_group(h: Harness, group_id: str, rewards: list[float]) -> None:
 
 
 async def read_merged(
-    h: Harness, after: int, count: int, skip_degenerate: bool = False, timeout_s: float = 10.0
+    h: Harness,
+    after: int,
+    count: int,
+    skip_degenerate: bool = False,
+    min_version: int = 0,
+    timeout_s: float = 10.0,
 ) -> list[spb.SubscribeGroupsResponse]:
     """Feed messages of shard ``h`` after ``after`` until ``count`` groups are covered."""
     call = h.sessions.SubscribeGroups(
-        spb.SubscribeGroupsRequest(after_cursor=after, skip_degenerate=skip_degenerate)
+        spb.SubscribeGroupsRequest(
+            after_cursor=after, skip_degenerate=skip_degenerate, min_version=min_version
+        )
     )
     got: list[spb.SubscribeGroupsResponse] = []
     covered = 0
@@ -190,7 +197,7 @@ async def read_merged(
             response = await asyncio.wait_for(call.read(), timeout_s)
             assert isinstance(response, spb.SubscribeGroupsResponse)
             got.append(response)
-            covered += len(response.groups) + response.skipped_degenerate
+            covered += len(response.groups) + response.skipped_degenerate + response.skipped_groups
     finally:
         call.cancel()
     return got

@@ -13,6 +13,7 @@ from sessionrouter.client.shardmap import shard_of
 from sessionrouter.server.app import WorkerSpec
 from sessionrouter.server.shards.link import FEED_STREAM
 from sessionrouter.v1 import session_service_pb2 as spb
+from sessionrouter.v1 import worker_service_pb2 as wpb
 from tests.shards.support import (
     NatsServer,
     eventually,
@@ -111,3 +112,49 @@ async def test_skip_degenerate_and_cursor_bounds(shards: list[Harness]) -> None:
     headers = dict(await latest.initial_metadata())
     assert headers["sessionrouter-after-cursor"] == "2"
     latest.cancel()
+
+
+async def test_policy_versions_travel_with_the_pool_and_filter_the_merged_feed(
+    nats_server: NatsServer,
+) -> None:
+    s0 = await start_shard(nats_server.url, 0, 2)
+    s1 = await start_shard(nats_server.url, 1, 2)
+    try:
+        await s0.workers.RegisterWorker(
+            wpb.RegisterWorkerRequest(
+                worker_id="v", address="10.0.0.9:1", capacity=8, policy_version=3
+            )
+        )
+
+        async def version_seen() -> bool:
+            worker = s1.server.router.find_worker("v")
+            return worker is not None and worker.policy_version == 3
+
+        await eventually(version_seen)
+        old = owned_group(1, 2, prefix="old")
+        await finish_group(s1, old, [1.0, 0.0])
+        await s1.workers.Heartbeat(wpb.HeartbeatRequest(worker_id="v", policy_version=5))
+
+        async def newer_seen() -> bool:
+            worker = s0.server.router.find_worker("v")
+            return worker is not None and worker.policy_version == 5
+
+        await eventually(newer_seen)
+        new = owned_group(0, 2, prefix="new")
+        await finish_group(s0, new, [1.0, 0.0])
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await s0.workers.Heartbeat(wpb.HeartbeatRequest(worker_id="v", policy_version=4))
+        assert details_of(caught.value).reason == "VERSION_BACKWARDS"
+        for h in (s0, s1):
+            await eventually(functools.partial(_published_one, h))
+        messages = await read_merged(s0, 0, 2, min_version=5)
+        assert sum(m.skipped_groups for m in messages) == 1
+        assert [(g.group_id, g.min_version) for m in messages for g in m.groups] == [(new, 5)]
+        assert messages[-1].last_cursor == 2
+    finally:
+        await stop_harness(s0)
+        await stop_harness(s1)
+
+
+async def _published_one(h: Harness) -> bool:
+    return bool(h.server.shards.publisher.backlog == 0)

@@ -4,7 +4,8 @@ Every shard serves the same stream ``SESSIONROUTER_GROUPS`` (each shard's finali
 published after its journal commit), so a trainer follows one feed whichever shard it
 reaches, with the same API: the cursor is the stream's sequence, one sequence across shards,
 and ``after_cursor`` resumes after it. The filters of SubscribeGroups apply as on a single
-router (``skip_degenerate`` counts and skips, ``last_cursor`` covers skipped groups).
+router (``min_version`` and ``skip_degenerate`` count and skip, ``last_cursor`` covers
+skipped groups).
 
 Each subscription is an ephemeral pull consumer (no acks) starting after the requested
 sequence; it fetches only when the gRPC stream has sent what it fetched before, so a slow
@@ -48,16 +49,20 @@ CONSUMER_INACTIVE_S = 60.0
 
 
 def merged_messages(
-    batch: list[tuple[int, pb.GroupResult]], skip_degenerate: bool
+    batch: list[tuple[int, pb.GroupResult]], skip_degenerate: bool, min_version: int = 0
 ) -> list[spb.SubscribeGroupsResponse]:
     """One fetched batch (stream order) as feed messages of at most MESSAGE_BYTE_BUDGET
-    bytes, as on a single router: skipped groups are counted, ``last_cursor`` covers them."""
+    bytes, as on a single router: a group below ``min_version`` is counted in
+    ``skipped_groups``, else a degenerate one (``skip_degenerate``) in
+    ``skipped_degenerate``, and ``last_cursor`` covers them."""
     messages: list[spb.SubscribeGroupsResponse] = []
     current = spb.SubscribeGroupsResponse()
     size = 0
     covered = 0
     for sequence, result in batch:
-        if skip_degenerate and result.degenerate:
+        if min_version and result.min_version < min_version:
+            current.skipped_groups += 1
+        elif skip_degenerate and result.degenerate:
             current.skipped_degenerate += 1
         else:
             grows = result.ByteSize() + 8
@@ -178,7 +183,7 @@ class ShardedSessionServicer(SessionServicer):
                     batch.append((sequence, result))
                 if not batch:
                     continue
-                for message in merged_messages(batch, request.skip_degenerate):
+                for message in merged_messages(batch, request.skip_degenerate, request.min_version):
                     yield message
                 cursor = subscription.cursor = batch[-1][0]
         finally:

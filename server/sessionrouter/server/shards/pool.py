@@ -44,6 +44,7 @@ from typing import Any
 from sessionrouter.server.config import WorkerSpec
 from sessionrouter.server.core.errors import (
     AlreadyExists,
+    FailedPrecondition,
     NotFound,
     ResourceExhausted,
     RouterError,
@@ -58,6 +59,7 @@ from sessionrouter.server.core.validation import (
     check_range,
     check_string_map,
     check_text,
+    check_version,
 )
 from sessionrouter.server.core.workers import WorkerRecord
 from sessionrouter.server.shards.identity import ShardIdentity
@@ -78,6 +80,29 @@ def share(worker_id: str, capacity: int, shard: ShardIdentity) -> int:
     return base + (1 if (shard.index - start) % n < extra else 0)
 
 
+def check_policy_version(policy_version: int, known: WorkerEntry | None) -> None:
+    """The checks of a single router: at most 2^63 - 1, never backwards."""
+    check_version("policy_version", policy_version)
+    if known is not None and policy_version and policy_version < known.policy_version:
+        raise FailedPrecondition(
+            "VERSION_BACKWARDS",
+            f"worker {known.worker_id!r} serves policy version {known.policy_version};"
+            f" it cannot go back to {policy_version}",
+            metadata={
+                "worker_id": known.worker_id,
+                "held": known.policy_version,
+                "got": policy_version,
+            },
+        )
+
+
+def _newer(reported: int, known: WorkerEntry | None) -> int:
+    """The version a record keeps: the one reported, else the one it had (0 means
+    "unchanged", and versions never go backwards)."""
+    before = known.policy_version if known is not None else 0
+    return max(reported, before)
+
+
 def worker_key(worker_id: str) -> str:
     """KV key of a worker: its id in unpadded base64url (ids may hold ``~ : @ +``, which
     NATS keys may not)."""
@@ -95,6 +120,8 @@ class WorkerEntry:
     draining: bool = False
     heartbeat: float = 0.0
     """Unix seconds of the last registration or heartbeat."""
+    policy_version: int = 0
+    """The policy version the worker last reported (0: unknown)."""
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -105,6 +132,7 @@ class WorkerEntry:
                 "labels": self.labels,
                 "draining": self.draining,
                 "heartbeat": self.heartbeat,
+                "policy_version": self.policy_version,
             },
             sort_keys=True,
         ).encode()
@@ -120,6 +148,7 @@ class WorkerEntry:
                 {str(k): str(v) for k, v in dict(raw.get("labels", {})).items()},
                 bool(raw.get("draining", False)),
                 float(raw.get("heartbeat", 0.0)),
+                int(raw.get("policy_version", 0)),
             )
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
@@ -186,10 +215,16 @@ class PoolMirror:
         return entry
 
     async def register(
-        self, worker_id: str, address: str, capacity: int, labels: Mapping[str, str]
+        self,
+        worker_id: str,
+        address: str,
+        capacity: int,
+        labels: Mapping[str, str],
+        policy_version: int = 0,
     ) -> WorkerEntry:
         checked = self.check_registration(worker_id, address, capacity, labels)
         known = self.entries.get(worker_id)
+        check_policy_version(policy_version, known)
         entry = WorkerEntry(
             worker_id,
             address,
@@ -197,12 +232,15 @@ class PoolMirror:
             checked,
             known.draining if known is not None else False,
             time.time(),
+            _newer(policy_version, known),
         )
         await self._put(entry, "a registration")
         return entry
 
-    async def heartbeat(self, worker_id: str) -> WorkerEntry:
-        entry = replace(self.get(worker_id), heartbeat=time.time())
+    async def heartbeat(self, worker_id: str, policy_version: int = 0) -> WorkerEntry:
+        known = self.get(worker_id)
+        check_policy_version(policy_version, known)
+        entry = replace(known, heartbeat=time.time(), policy_version=_newer(policy_version, known))
         if self.link.connected:
             try:
                 await self._put(entry, "a heartbeat")
@@ -212,7 +250,7 @@ class PoolMirror:
         # NATS is down: the worker stays alive here; the other shards keep their last view.
         self.entries[entry.worker_id] = entry
         if self.router.find_worker(worker_id) is not None:
-            self.router.heartbeat(worker_id)
+            self.router.heartbeat(worker_id, entry.policy_version)
         return entry
 
     async def drain(self, worker_id: str, resume: bool) -> WorkerEntry:
@@ -273,9 +311,11 @@ class PoolMirror:
         if slots == 0:
             return
         if local is None or local.capacity != slots or local.labels != entry.labels:
-            local = router.register_worker(entry.worker_id, entry.address, slots, entry.labels)
+            local = router.register_worker(
+                entry.worker_id, entry.address, slots, entry.labels, entry.policy_version
+            )
         elif time.time() - entry.heartbeat < router.settings.heartbeat_timeout_s:
-            router.heartbeat(entry.worker_id)
+            router.heartbeat(entry.worker_id, entry.policy_version)
         if local.draining != entry.draining:
             router.drain_worker(entry.worker_id, resume=not entry.draining)
 

@@ -102,17 +102,15 @@ class ShardRegistry:
         self.peers[self.shard.index] = self.entry
 
     async def _entries(self) -> list[ShardEntry]:
-        from nats.js.errors import NoKeysError
-
-        try:
-            keys = await self._kv.keys()
-        except NoKeysError:
-            return []
+        """The live entries, read now. The keys come from the bucket's stream (its subjects
+        with a message), not from a watch, so none can be missed at start-up."""
+        info = await self._link.js.stream_info(f"KV_{SHARDS_BUCKET}", subjects_filter=">")
+        prefix = f"$KV.{SHARDS_BUCKET}."
         entries = []
-        for key in keys:
+        for subject in sorted((info.state.subjects or {}).keys()):
             try:
-                got = await self._kv.get(key)
-            except Exception:  # expired or deleted between keys() and get()
+                got = await self._kv.get(subject.removeprefix(prefix))
+            except Exception:  # deleted or expired since
                 continue
             entry = ShardEntry.decode(got.value or b"")
             if entry is not None:

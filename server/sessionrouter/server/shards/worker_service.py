@@ -46,6 +46,7 @@ class ShardedWorkerServicer(WorkerServicer):
             msg = pb.Worker(
                 worker_id=entry.worker_id,
                 address=entry.address,
+                policy_version=entry.policy_version,
                 labels=entry.labels,
                 health=pb.WORKER_HEALTH_HEALTHY if alive else pb.WORKER_HEALTH_UNHEALTHY,
                 draining=entry.draining,
@@ -63,7 +64,11 @@ class ShardedWorkerServicer(WorkerServicer):
     ) -> wpb.RegisterWorkerResponse:
         try:
             entry = await self._pool.register(
-                request.worker_id, request.address, request.capacity, dict(request.labels)
+                request.worker_id,
+                request.address,
+                request.capacity,
+                dict(request.labels),
+                request.policy_version,
             )
         except RouterError as error:
             await self._abort(context, error)
@@ -78,10 +83,13 @@ class ShardedWorkerServicer(WorkerServicer):
         self, request: wpb.HeartbeatRequest, context: Context
     ) -> wpb.HeartbeatResponse:
         try:
-            entry = await self._pool.heartbeat(request.worker_id)
+            entry = await self._pool.heartbeat(request.worker_id, request.policy_version)
         except RouterError as error:
             await self._abort(context, error)
-        return wpb.HeartbeatResponse(worker=self._worker(entry))
+        reply = wpb.HeartbeatResponse(worker=self._worker(entry))
+        if request.policy_version:
+            await self._durable(context)  # a new version is journaled
+        return reply
 
     async def DrainWorker(
         self, request: wpb.DrainWorkerRequest, context: Context
