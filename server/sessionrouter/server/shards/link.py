@@ -163,14 +163,12 @@ class NatsLink:
             self._set(False)
 
     async def close(self) -> None:
-        """Drains (at most 2 s: a publish in flight gets its ack) and closes."""
+        """Closes the connection. Not a drain: the feed was flushed before, and a drain waits
+        (up to 30 s) for subscriptions whose messages nobody reads any more."""
         self._closing = True
         if self.nc is not None:
-            if self.connected:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.nc.drain(), 2.0)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.nc.close(), 2.0)
+                await asyncio.wait_for(self.nc.close(), 5.0)
 
 
 async def retry_forever(
@@ -190,10 +188,9 @@ async def retry_forever(
             done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for pending in (task, waiter):
-                if not pending.done():
-                    pending.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await pending
+                pending.cancel()
+            # Bounded: a body blocked on a dying socket must not hold up a stop.
+            await asyncio.wait((task, waiter), timeout=2.0)
         if task in done and not task.cancelled():
             error = task.exception()
             if error is not None:
@@ -203,3 +200,10 @@ async def retry_forever(
                     extra={"event": "shard_loop_failed", "loop": name, "error": repr(error)},
                 )
         await asyncio.sleep(pause_s)
+
+
+async def stop_watch(watcher: Any) -> None:
+    """Stops a KV watcher within 1 s, whatever the link's state (its unsubscribe waits for
+    the socket, which a dying connection may never free)."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(watcher.stop(), 1.0)

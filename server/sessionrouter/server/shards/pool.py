@@ -63,7 +63,7 @@ from sessionrouter.server.core.validation import (
 )
 from sessionrouter.server.core.workers import WorkerRecord
 from sessionrouter.server.shards.identity import ShardIdentity
-from sessionrouter.server.shards.link import LOAD_BUCKET, WORKERS_BUCKET, NatsLink
+from sessionrouter.server.shards.link import LOAD_BUCKET, WORKERS_BUCKET, NatsLink, stop_watch
 
 log = logging.getLogger("sessionrouter.shards")
 
@@ -345,7 +345,7 @@ class PoolMirror:
                 if entry is not None:
                     self.apply(entry)
         finally:
-            await watcher.stop()
+            await stop_watch(watcher)
 
     async def watch_loads(self) -> None:
         """Follows what every shard publishes of its load, until cancelled."""
@@ -366,7 +366,7 @@ class PoolMirror:
                 except (ValueError, TypeError, AttributeError):
                     continue
         finally:
-            await watcher.stop()
+            await stop_watch(watcher)
 
     async def publish_loads(self) -> None:
         """Publishes this shard's open sessions per worker every LOAD_PUBLISH_S (when they

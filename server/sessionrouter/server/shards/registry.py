@@ -25,7 +25,7 @@ from typing import Any
 
 from sessionrouter.server.core.errors import FailedPrecondition
 from sessionrouter.server.shards.identity import ShardIdentity
-from sessionrouter.server.shards.link import SHARDS_BUCKET, NatsLink, ShardStartError
+from sessionrouter.server.shards.link import SHARDS_BUCKET, NatsLink, ShardStartError, stop_watch
 
 log = logging.getLogger("sessionrouter.shards")
 
@@ -140,7 +140,7 @@ class ShardRegistry:
                     entry = ShardEntry.decode(update.value or b"")
                 self._seen(index, entry)
         finally:
-            await watcher.stop()
+            await stop_watch(watcher)
 
     def _seen(self, index: int, entry: ShardEntry | None) -> None:
         self.peers.pop(index, None)

@@ -11,7 +11,6 @@ registry, close the connection.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from sessionrouter.server.config import WorkerSpec
@@ -143,9 +142,10 @@ class ShardRuntime:
             )
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
         if self.registry is not None:
             await self.registry.leave()
-        await self.link.close()
+        await self.link.close()  # also frees a loop still blocked on the socket
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
