@@ -4,7 +4,9 @@ Methods take and return the dataclasses of ``sessionrouter.client.types``; failu
 ``SessionRouterError`` hierarchy. Unary calls share one path (``_unary``): the caller's
 metadata, one overall deadline, and UNAVAILABLE retried under the client's ``RetryPolicy``
 (every unary call here is idempotent; see ``_retry``). Streams are not retried as a whole:
-the feed reconnects and resumes from its cursor, for as long as the caller wants.
+the feed reconnects and resumes from its cursor, for as long as the caller wants. Against a
+sharded router each call goes to the shard that owns its group (``_shards``), and reward
+batches are split by shard (``_shard_rewards``).
 
 It is over 500 lines because it is the public surface, one method per RPC with its typed
 parameters and docstring; the logic behind them lives in ``_retry``, ``_feed`` and ``_rewards``.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -35,10 +38,17 @@ from typing import Any, Self, TypeVar
 import grpc
 
 from sessionrouter.client import _convert
-from sessionrouter.client._errors import InternalError, SessionRouterError
+from sessionrouter.client._errors import (
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    SessionRouterError,
+)
 from sessionrouter.client._feed import FeedRetryHook, FeedSkipHook, follow_feed
 from sessionrouter.client._retry import Retrier, RetryPolicy
 from sessionrouter.client._rewards import ReplacementHook, RewardStream
+from sessionrouter.client._shard_rewards import ShardedRewardStream, split_by_shard
+from sessionrouter.client._shards import Route, ShardRouting, ShardStubs
 from sessionrouter.client.types import (
     DeregisterWorkerResult,
     Group,
@@ -48,6 +58,7 @@ from sessionrouter.client.types import (
     Page,
     PlacementMode,
     RegisterWorkerResult,
+    RewardResult,
     RewardStatus,
     Session,
     StalenessPolicy,
@@ -59,7 +70,6 @@ from sessionrouter.client.types import (
     Worker,
 )
 from sessionrouter.v1 import session_service_pb2 as spb
-from sessionrouter.v1 import session_service_pb2_grpc, worker_service_pb2_grpc
 from sessionrouter.v1 import worker_service_pb2 as wpb
 
 __all__ = ["Rollout", "SessionRouterClient"]
@@ -81,14 +91,15 @@ _CHANNEL_DEFAULTS: tuple[tuple[str, int], ...] = (("grpc.max_reconnect_backoff_m
 
 
 class SessionRouterClient:
-    """Asyncio client for a sessionrouter.
+    """Asyncio client for a sessionrouter: one router, or N shards.
 
     Build it with ``SessionRouterClient.connect(target)`` (the client then owns and closes its
     channel) or around a ``grpc.aio.Channel`` you manage. Use it as an async context manager,
     or call ``close()``.
 
     Args:
-        channel: the channel to call through.
+        channel: the channel to call through; or one channel per shard, in shard order (a
+            sharded router: each call goes to the shard that owns its group).
         token: sent as ``authorization: Bearer <token>`` on every call. Sent as plain metadata,
             so it also works on an insecure channel; use TLS outside a trusted network.
         metadata: extra ``(key, value)`` pairs sent on every call.
@@ -97,22 +108,43 @@ class SessionRouterClient:
         retry_policy: how transient errors (UNAVAILABLE, a reset stream) are retried: unary
             calls, and the backoff of feed reconnects.
         owns_channel: close ``channel`` when the client closes (``connect`` sets it).
+        shard_count: N, when ``channel`` is one proxy in front of N shards (nginx hashing
+            ``x-group-id``): every call naming a group then carries that header.
+        addresses: the address of each channel, to recognise the owner a ``WRONG_SHARD``
+            refusal names.
     """
 
     def __init__(
         self,
-        channel: grpc.aio.Channel,
+        channel: grpc.aio.Channel | Sequence[grpc.aio.Channel],
         *,
         token: str | None = None,
         metadata: Sequence[tuple[str, str]] = (),
         default_timeout: float | None = DEFAULT_TIMEOUT,
         retry_policy: RetryPolicy | None = None,
         owns_channel: bool = False,
+        shard_count: int | None = None,
+        addresses: Sequence[str] = (),
+        _open_channel: Callable[[str], grpc.aio.Channel] | None = None,
     ) -> None:
-        self._channel = channel
+        channels = list(channel) if isinstance(channel, Sequence) else [channel]
+        if addresses and len(addresses) != len(channels):
+            raise ValueError(f"{len(addresses)} addresses for {len(channels)} channels")
+        names = list(addresses) or [""] * len(channels)
+        self._channels = channels
         self._owns_channel = owns_channel
-        self._workers = worker_service_pb2_grpc.WorkerServiceStub(channel)
-        self._sessions = session_service_pb2_grpc.SessionServiceStub(channel)
+        open_stubs = None
+        if _open_channel is not None:
+            opener = _open_channel
+
+            def open_stubs(address: str) -> ShardStubs:
+                return ShardStubs.over(opener(address), address)
+
+        self._routing = ShardRouting(
+            [ShardStubs.over(c, a) for c, a in zip(channels, names, strict=True)],
+            shard_count=shard_count,
+            open_stubs=open_stubs,
+        )
         auth = (("authorization", f"Bearer {token}"),) if token else ()
         self._metadata: tuple[tuple[str, str], ...] = (*auth, *metadata)
         self._default_timeout = default_timeout
@@ -121,8 +153,9 @@ class SessionRouterClient:
     @classmethod
     def connect(
         cls,
-        target: str,
+        target: str | Sequence[str],
         *,
+        shard_count: int | None = None,
         token: str | None = None,
         metadata: Sequence[tuple[str, str]] = (),
         default_timeout: float | None = DEFAULT_TIMEOUT,
@@ -134,6 +167,11 @@ class SessionRouterClient:
         client_private_key: bytes | None = None,
     ) -> SessionRouterClient:
         """Opens a channel to ``target`` (``host:port``); TLS when ``credentials`` are given.
+
+        A sharded router: ``target`` is the list of the shards' addresses in shard order (one
+        channel each; a call naming a group goes to its owner, the others round-robin), or one
+        proxy address with ``shard_count=N`` (one channel; a call naming a group carries it in
+        ``x-group-id``, which the proxy's shard map hashes).
 
         The connection is made lazily, on the first call. ``options`` are gRPC channel
         arguments, for example ``[("grpc.keepalive_time_ms", 30_000)]``. Unless they say
@@ -161,18 +199,31 @@ class SessionRouterClient:
         channel_options = list(options) + [
             (name, value) for name, value in _CHANNEL_DEFAULTS if name not in given
         ]
-        if credentials is None:
-            channel = grpc.aio.insecure_channel(target, options=channel_options)
-        else:
-            channel = grpc.aio.secure_channel(target, credentials, options=channel_options)
+
+        def open_channel(address: str) -> grpc.aio.Channel:
+            if credentials is None:
+                return grpc.aio.insecure_channel(address, options=channel_options)
+            return grpc.aio.secure_channel(address, credentials, options=channel_options)
+
+        addresses = [target] if isinstance(target, str) else list(target)
+        if not isinstance(target, str) and shard_count is not None:
+            raise ValueError("shard_count is for one proxy address; a shard list gives N itself")
         return cls(
-            channel,
+            [open_channel(a) for a in addresses],
             token=token,
             metadata=metadata,
             default_timeout=default_timeout,
             retry_policy=retry_policy,
             owns_channel=True,
+            shard_count=shard_count,
+            addresses=addresses,
+            _open_channel=open_channel,
         )
+
+    @property
+    def shard_count(self) -> int:
+        """N for a sharded router; 1 for one unsharded router."""
+        return self._routing.count
 
     async def __aenter__(self) -> Self:
         return self
@@ -186,20 +237,60 @@ class SessionRouterClient:
         await self.close()
 
     async def close(self) -> None:
-        """Closes the channel if this client opened it (``connect``)."""
+        """Closes the channels if this client opened them (``connect``)."""
+        await self._routing.close_extra()
         if self._owns_channel:
-            await self._channel.close()
+            for channel in self._channels:
+                await channel.close()
 
     async def _unary(
         self,
-        method: grpc.aio.UnaryUnaryMultiCallable[Req, Resp],
+        method: Callable[[ShardStubs], grpc.aio.UnaryUnaryMultiCallable[Req, Resp]],
         request: Req,
         timeout: float | None,
+        route: Route | None = None,
     ) -> Resp:
-        async def attempt(remaining: float | None) -> Resp:
-            return await method(request, timeout=remaining, metadata=self._metadata)
-
+        """One unary call on ``route`` (the next shard when None), retried while transient;
+        a ``WRONG_SHARD`` refusal is followed once to the owner it names."""
+        route = route or self._routing.any()
         budget = self._default_timeout if timeout is None else timeout
+        started = time.monotonic()
+        try:
+            return await self._unary_on(route, method, request, budget)
+        except FailedPreconditionError as error:
+            owner = self._routing.owner_of(error, route)
+            if owner is None:
+                raise
+            _log.warning("%s; following it to %s", error, owner.stubs.address or owner.shard)
+            left = None if budget is None else max(0.0, budget - (time.monotonic() - started))
+            return await self._unary_on(owner, method, request, left)
+
+    async def _broadcast(
+        self,
+        method: Callable[[ShardStubs], grpc.aio.UnaryUnaryMultiCallable[Req, Resp]],
+        request: Req,
+        timeout: float | None,
+    ) -> list[Resp]:
+        """The same call on every shard, concurrently; the replies in shard order. For state
+        each shard keeps for itself (trainer state, weight updates); one call when unsharded."""
+        routes = [self._routing.shard(i) for i in range(self._routing.count)]
+        return list(
+            await asyncio.gather(*(self._unary(method, request, timeout, r) for r in routes))
+        )
+
+    async def _unary_on(
+        self,
+        route: Route,
+        method: Callable[[ShardStubs], grpc.aio.UnaryUnaryMultiCallable[Req, Resp]],
+        request: Req,
+        budget: float | None,
+    ) -> Resp:
+        call = method(route.stubs)
+        metadata = (*self._metadata, *route.headers)
+
+        async def attempt(remaining: float | None) -> Resp:
+            return await call(request, timeout=remaining, metadata=metadata)
+
         return await self._retrier.call(attempt, timeout=budget)
 
     # WorkerService ------------------------------------------------------------------------
@@ -223,7 +314,7 @@ class SessionRouterClient:
             labels=dict(labels or {}),
             policy_version=policy_version,
         )
-        response = await self._unary(self._workers.RegisterWorker, request, timeout)
+        response = await self._unary(lambda s: s.workers.RegisterWorker, request, timeout)
         return _convert.register_worker_result_from_proto(response)
 
     async def heartbeat(
@@ -233,7 +324,7 @@ class SessionRouterClient:
         ``policy_version`` reports the weights it serves now (0: unchanged); the target
         version of a weight update in progress puts the worker back into placement."""
         request = wpb.HeartbeatRequest(worker_id=worker_id, policy_version=policy_version)
-        response = await self._unary(self._workers.Heartbeat, request, timeout)
+        response = await self._unary(lambda s: s.workers.Heartbeat, request, timeout)
         return _convert.worker_from_proto(response.worker)
 
     async def drain_worker(
@@ -241,7 +332,7 @@ class SessionRouterClient:
     ) -> Worker:
         """Stops placing new sessions on the worker (``resume=True`` restarts it)."""
         request = wpb.DrainWorkerRequest(worker_id=worker_id, resume=resume)
-        response = await self._unary(self._workers.DrainWorker, request, timeout)
+        response = await self._unary(lambda s: s.workers.DrainWorker, request, timeout)
         return _convert.worker_from_proto(response.worker)
 
     async def deregister_worker(
@@ -249,12 +340,12 @@ class SessionRouterClient:
     ) -> DeregisterWorkerResult:
         """Removes a worker; its open sessions are marked ``worker_lost``."""
         request = wpb.DeregisterWorkerRequest(worker_id=worker_id)
-        response = await self._unary(self._workers.DeregisterWorker, request, timeout)
+        response = await self._unary(lambda s: s.workers.DeregisterWorker, request, timeout)
         return _convert.deregister_worker_result_from_proto(response)
 
     async def get_worker(self, worker_id: str, *, timeout: float | None = None) -> Worker:
         request = wpb.GetWorkerRequest(worker_id=worker_id)
-        response = await self._unary(self._workers.GetWorker, request, timeout)
+        response = await self._unary(lambda s: s.workers.GetWorker, request, timeout)
         return _convert.worker_from_proto(response.worker)
 
     async def list_workers(
@@ -262,7 +353,7 @@ class SessionRouterClient:
     ) -> Page[Worker]:
         """One page of workers ordered by id; ``page_size`` 0 means the server's 100."""
         request = wpb.ListWorkersRequest(page_size=page_size, page_token=page_token)
-        response = await self._unary(self._workers.ListWorkers, request, timeout)
+        response = await self._unary(lambda s: s.workers.ListWorkers, request, timeout)
         return Page(
             items=tuple(_convert.worker_from_proto(w) for w in response.workers),
             next_page_token=response.next_page_token,
@@ -295,11 +386,12 @@ class SessionRouterClient:
         request = wpb.BeginWeightUpdateRequest(
             version=version, worker_ids=list(worker_ids), interrupt_sessions=interrupt_sessions
         )
-        response = await self._unary(self._workers.BeginWeightUpdate, request, timeout)
+        # Every shard places on the whole pool: each takes the workers out of its placement.
+        responses = await self._broadcast(lambda s: s.workers.BeginWeightUpdate, request, timeout)
         return WeightUpdate(
             version=version,
-            workers=tuple(_convert.worker_from_proto(w) for w in response.workers),
-            interrupted_sessions=response.interrupted_sessions,
+            workers=tuple(_convert.worker_from_proto(w) for w in responses[0].workers),
+            interrupted_sessions=sum(r.interrupted_sessions for r in responses),
         )
 
     async def complete_weight_update(
@@ -308,8 +400,11 @@ class SessionRouterClient:
         """Puts a worker back with its new version (0: the update's target); returns the
         worker and whether the whole update is over."""
         request = wpb.CompleteWeightUpdateRequest(worker_id=worker_id, version=version)
-        response = await self._unary(self._workers.CompleteWeightUpdate, request, timeout)
-        return _convert.worker_from_proto(response.worker), response.update_finished
+        responses = await self._broadcast(
+            lambda s: s.workers.CompleteWeightUpdate, request, timeout
+        )
+        finished = all(r.update_finished for r in responses)
+        return _convert.worker_from_proto(responses[0].worker), finished
 
     @contextlib.asynccontextmanager
     async def weight_update(
@@ -373,7 +468,9 @@ class SessionRouterClient:
             placement=placement,
             wait_for_admission=wait_for_admission,
         )
-        response = await self._unary(self._sessions.StartSession, request, timeout)
+        response = await self._unary(
+            lambda s: s.sessions.StartSession, request, timeout, self._start_route(group_id)
+        )
         return _convert.start_session_result_from_proto(response)
 
     async def start_group(
@@ -405,7 +502,9 @@ class SessionRouterClient:
             placement=placement,
             wait_for_admission=wait_for_admission,
         )
-        response = await self._unary(self._sessions.StartGroup, request, timeout)
+        response = await self._unary(
+            lambda s: s.sessions.StartGroup, request, timeout, self._start_route(group_id)
+        )
         return _convert.start_group_result_from_proto(response)
 
     async def abort_session(
@@ -425,17 +524,23 @@ class SessionRouterClient:
         request = spb.AbortSessionRequest(
             session=session, reason=reason[:1024], retryable=retryable
         )
-        response = await self._unary(self._sessions.AbortSession, request, timeout)
+        response = await self._unary(
+            lambda s: s.sessions.AbortSession, request, timeout, self._routing.for_session(session)
+        )
         return _convert.session_from_proto(response.session)
 
     async def get_session(self, session: str, *, timeout: float | None = None) -> Session:
         request = spb.GetSessionRequest(session=session)
-        response = await self._unary(self._sessions.GetSession, request, timeout)
+        response = await self._unary(
+            lambda s: s.sessions.GetSession, request, timeout, self._routing.for_session(session)
+        )
         return _convert.session_from_proto(response.session)
 
     async def get_group(self, group_id: str, *, timeout: float | None = None) -> Group:
         request = spb.GetGroupRequest(group_id=group_id)
-        response = await self._unary(self._sessions.GetGroup, request, timeout)
+        response = await self._unary(
+            lambda s: s.sessions.GetGroup, request, timeout, self._routing.for_group(group_id)
+        )
         return _convert.group_from_proto(response.group)
 
     async def list_groups(
@@ -446,16 +551,29 @@ class SessionRouterClient:
         page_token: str = "",
         timeout: float | None = None,
     ) -> Page[Group]:
-        """One page of groups in creation order, without members (``get_group`` has them)."""
+        """One page of groups in creation order, without members (``get_group`` has them).
+
+        Sharded: the groups of shard 0, then of shard 1, and so on (each shard lists its own);
+        the page token says which shard comes next, and a page may be short where one shard's
+        list ends.
+        """
+        shard, inner = 0, page_token
+        if self._routing.sharded:
+            shard, inner = _split_page_token(page_token, self._routing.count)
         request = spb.ListGroupsRequest(
             page_size=page_size,
-            page_token=page_token,
+            page_token=inner,
             state=_convert.group_state_to_proto(state),
         )
-        response = await self._unary(self._sessions.ListGroups, request, timeout)
+        response = await self._unary(
+            lambda s: s.sessions.ListGroups, request, timeout, self._routing.shard(shard)
+        )
+        next_token = response.next_page_token
+        if self._routing.sharded:
+            next_token = _join_page_token(shard, next_token, self._routing.count)
         return Page(
             items=tuple(_convert.group_from_proto(g) for g in response.groups),
-            next_page_token=response.next_page_token,
+            next_page_token=next_token,
         )
 
     async def iter_groups(
@@ -490,6 +608,9 @@ class SessionRouterClient:
     ) -> RewardStream:
         """A long-lived SubmitRewards stream for concurrent submitters; see ``RewardStream``.
 
+        For a sharded router, a ``ShardedRewardStream`` with the same methods: one stream per
+        shard, opened on the first entry for it, answers in the caller's order.
+
         ``timeout`` (seconds) is a deadline for the whole stream, reconnects included;
         ``None`` for none. With ``reconnect`` (the default) a stream lost to a restart, a drain
         or a proxy is reopened under the client's retry policy and the unacknowledged entries
@@ -498,21 +619,35 @@ class SessionRouterClient:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
 
-        def open_call() -> grpc.aio.StreamStreamCall[
-            spb.SubmitRewardsRequest, spb.SubmitRewardsResponse
-        ]:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            return self._sessions.SubmitRewards(timeout=remaining, metadata=self._metadata)
+        def open_stream(route: Route) -> RewardStream:
+            metadata = (*self._metadata, *route.headers)
 
-        return RewardStream(
-            open_call,
-            max_batch=max_batch,
-            max_delay=max_delay,
-            keep_results=keep_results,
-            close_timeout=close_timeout,
-            retrier=self._retrier if reconnect else None,
-            on_replacement=on_replacement,
-        )
+            def open_call() -> grpc.aio.StreamStreamCall[
+                spb.SubmitRewardsRequest, spb.SubmitRewardsResponse
+            ]:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                return route.stubs.sessions.SubmitRewards(timeout=remaining, metadata=metadata)
+
+            return RewardStream(
+                open_call,
+                max_batch=max_batch,
+                max_delay=max_delay,
+                keep_results=keep_results,
+                close_timeout=close_timeout,
+                retrier=self._retrier if reconnect else None,
+                on_replacement=on_replacement,
+            )
+
+        if not self._routing.sharded:
+            return open_stream(self._routing.shard(0))
+
+        def open_shard(shard: int, group_id: str | None) -> RewardStream:
+            route = self._routing.shard(shard)
+            if group_id is not None and self._routing.shard_of(group_id) == shard:
+                route = self._routing.for_group(group_id)
+            return open_stream(route)
+
+        return ShardedRewardStream(self._routing, open_shard, keep_results=keep_results)
 
     async def submit_rewards(
         self,
@@ -535,11 +670,45 @@ class SessionRouterClient:
             (session, reward, metrics.get(session))
             for session, reward in (rewards.items() if isinstance(rewards, Mapping) else rewards)
         ]
+        if not self._routing.sharded:
+            return await self._submit_on(self._routing.shard(0), entries, timeout)
+        # One short stream per shard, concurrently; results back in the caller's order.
+        by_shard = list(split_by_shard(self._routing, (e[0] for e in entries)).items())
+        routes = [
+            self._routing.for_group(group) if group is not None else self._routing.shard(shard)
+            for shard, (_, group) in by_shard
+        ]
+        parts = await asyncio.gather(
+            *(
+                self._submit_on(route, [entries[p] for p in positions], timeout)
+                for route, (_, (positions, _)) in zip(routes, by_shard, strict=True)
+            )
+        )
+        results: list[RewardResult | None] = [None] * len(entries)
+        for (_, (positions, _)), part in zip(by_shard, parts, strict=True):
+            for position, result in zip(positions, part.results, strict=True):
+                results[position] = result
+        return SubmitRewardsResult(
+            results=tuple(r for r in results if r is not None),
+            group_results=tuple(g for part in parts for g in part.group_results),
+        )
+
+    async def _submit_on(
+        self,
+        route: Route,
+        entries: list[tuple[str, float, float | None]],
+        timeout: float | None,
+    ) -> SubmitRewardsResult:
+        """``entries`` over one short-lived stream on ``route``, retried while transient."""
+        metadata = (*self._metadata, *route.headers)
 
         async def attempt(remaining: float | None) -> SubmitRewardsResult:
-            stream = self.reward_stream(
-                max_batch=4096, max_delay=0.0, timeout=remaining, reconnect=False
-            )
+            def open_call() -> grpc.aio.StreamStreamCall[
+                spb.SubmitRewardsRequest, spb.SubmitRewardsResponse
+            ]:
+                return route.stubs.sessions.SubmitRewards(timeout=remaining, metadata=metadata)
+
+            stream = RewardStream(open_call, max_batch=4096, max_delay=0.0, retrier=None)
             async with stream:
                 results = await stream.submit_many(entries)
             return SubmitRewardsResult(
@@ -581,11 +750,17 @@ class SessionRouterClient:
         the router covered.
         """
         retrier = self._retrier if retry_policy is None else Retrier(retry_policy)
+        # Every shard serves the one merged feed: a lost stream reconnects to the next shard,
+        # with the same cursor, so a shard that is down only costs one reconnect.
+        first = self._routing.any().shard
+        connections = itertools.count(max(first, 0))
 
         def open_call(
             request: spb.SubscribeGroupsRequest,
         ) -> grpc.aio.UnaryStreamCall[spb.SubscribeGroupsRequest, spb.SubscribeGroupsResponse]:
-            return self._sessions.SubscribeGroups(request, metadata=self._metadata)
+            route = self._routing.shard(next(connections) % self._routing.count)
+            metadata = (*self._metadata, *route.headers)
+            return route.stubs.sessions.SubscribeGroups(request, metadata=metadata)
 
         return follow_feed(
             open_call,
@@ -621,7 +796,10 @@ class SessionRouterClient:
             request.policy.batch_size = policy.batch_size
         if refuse_mixed_versions is not None:
             request.refuse_mixed_versions = refuse_mixed_versions
-        response = await self._unary(self._sessions.SetTrainerState, request, timeout)
+        # Each shard admits its own groups, so each needs the trainer's state.
+        (response, *_) = await self._broadcast(
+            lambda s: s.sessions.SetTrainerState, request, timeout
+        )
         return _convert.trainer_state_from_proto(response.state)
 
     async def set_trainer_version(
@@ -633,7 +811,7 @@ class SessionRouterClient:
     async def get_trainer_state(self, *, timeout: float | None = None) -> TrainerState:
         """The trainer state, admission counters and any weight update in progress."""
         response = await self._unary(
-            self._sessions.GetTrainerState, spb.GetTrainerStateRequest(), timeout
+            lambda s: s.sessions.GetTrainerState, spb.GetTrainerStateRequest(), timeout
         )
         return _convert.trainer_state_from_proto(response.state)
 
@@ -708,7 +886,10 @@ class SessionRouterClient:
         return await self._run_members(started, rollout, rewards)
 
     async def _run_members(
-        self, started: StartGroupResult, rollout: Rollout, stream: RewardStream
+        self,
+        started: StartGroupResult,
+        rollout: Rollout,
+        stream: RewardStream,
     ) -> GroupResult:
         on_stream = stream.watch_group(started.group_id)
         failures: list[SessionRouterError] = []
@@ -755,9 +936,32 @@ class SessionRouterClient:
                 on_stream.exception()  # seen: the stream's failure was handled above
             on_stream.cancel()
 
+    def _start_route(self, group_id: str | None) -> Route | None:
+        """A start naming a group goes to its owner; one without goes to the next shard, and
+        its retries stay there: the request-id index that makes them safe is per shard."""
+        return None if group_id is None else self._routing.for_group(group_id)
+
     async def _abort_quietly(self, session: Session, reason: str) -> None:
         """Aborts a member so its group need not wait for its deadline; failures are logged."""
         try:
             await self.abort_session(session.name, reason=reason)
         except SessionRouterError as error:
             _log.warning("could not abort %s: %s", session.name, error)
+
+
+def _split_page_token(token: str, shard_count: int) -> tuple[int, str]:
+    """A sharded ``ListGroups`` page token: ``{shard}:{that shard's token}``; '' is shard 0's
+    first page."""
+    if not token:
+        return 0, ""
+    head, sep, inner = token.partition(":")
+    if not sep or not head.isdigit() or int(head) >= shard_count:
+        raise InvalidArgumentError(f"malformed page token {token[:64]!r} for {shard_count} shards")
+    return int(head), inner
+
+
+def _join_page_token(shard: int, inner: str, shard_count: int) -> str:
+    """The token of the page after one of ``shard`` that ended with ``inner``."""
+    if inner:
+        return f"{shard}:{inner}"
+    return f"{shard + 1}:" if shard + 1 < shard_count else ""

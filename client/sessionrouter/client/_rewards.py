@@ -134,9 +134,16 @@ class RewardStream:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def __aenter__(self) -> Self:
+        self.open()
+        return self
+
+    def open(self) -> None:
+        """Opens the stream (what entering the ``async with`` block does); for a caller that
+        opens it from synchronous code inside the event loop, such as the sharded stream."""
+        if self._call is not None:
+            raise RuntimeError("this RewardStream is already open")
         self._call = self._open_call()
         self._tasks = [asyncio.create_task(self._run(), name="sessionrouter-reward-stream")]
-        return self
 
     async def __aexit__(
         self,
