@@ -49,6 +49,7 @@ from sessionrouter.client._retry import Retrier, RetryPolicy
 from sessionrouter.client._rewards import ReplacementHook, RewardStream
 from sessionrouter.client._shard_rewards import ShardedRewardStream, split_by_shard
 from sessionrouter.client._shards import Route, ShardRouting, ShardStubs
+from sessionrouter.client.shardmap import shard_of
 from sessionrouter.client.types import (
     DeregisterWorkerResult,
     Group,
@@ -208,6 +209,10 @@ class SessionRouterClient:
         addresses = [target] if isinstance(target, str) else list(target)
         if not isinstance(target, str) and shard_count is not None:
             raise ValueError("shard_count is for one proxy address; a shard list gives N itself")
+        if not addresses:
+            raise ValueError("at least one router address is needed")
+        if shard_count is not None:
+            shard_of("", shard_count)  # refuses a count out of range before any channel opens
         return cls(
             [open_channel(a) for a in addresses],
             token=token,
