@@ -1,5 +1,6 @@
 # nginx, for the tests that run the router behind a real gRPC proxy (tests/integration/
-# test_nginx.py, test_feed_resilience.py). Included by the main Makefile.
+# test_nginx.py, test_feed_resilience.py, tests/shards), and curl, which sends the shard-map
+# test's non-ASCII x-group-id headers that gRPC clients refuse. Included by the main Makefile.
 #
 # The Debian package is installed when `nginx` is missing (apt-get update first: a fresh
 # machine has no package lists). Installing it starts the system service on Debian; the tests
@@ -7,6 +8,7 @@
 # so it is stopped again rather than left listening on port 80.
 
 NGINX_BIN := $(shell PATH="$$PATH:/usr/sbin:/sbin" command -v nginx 2>/dev/null)
+CURL_BIN := $(shell command -v curl 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: nginx-deps
@@ -21,4 +23,8 @@ ifeq ($(NGINX_BIN),)
 	@echo "nginx-deps: installed $$(/usr/sbin/nginx -v 2>&1)"
 else
 	@echo "nginx-deps: $$($(NGINX_BIN) -v 2>&1) at $(NGINX_BIN)"
+endif
+ifeq ($(CURL_BIN),)
+	$(SUDO) apt-get update -qq
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq curl >/dev/null
 endif

@@ -1,0 +1,179 @@
+"""Real processes for the sharded scenarios: router shards, and nginx as their shard map.
+
+A shard is ``sessionrouter serve`` bound to 127.0.0.1:0 on its first start (port read from
+``--port-file``) and restarted on that same port with the same state directory, as a process
+manager restarts a shard in place behind a proxy that lists fixed addresses. nginx runs in the
+foreground with the config of ``sessionrouter.client.nginx_shard_map`` under a temporary prefix and
+listens on a Unix socket there; its access log records, per call, the ``x-group-id`` it hashed
+and the upstream it chose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from sessionrouter.client.nginx_shard_map import full_config
+from tests.integration.processes import SESSIONROUTER, nginx_binary
+
+ACCESS_LOG_FORMAT = "$http_x_group_id|$upstream_addr|$status"
+"""One access-log line per call: the hashed key, the shard nginx chose, the HTTP status."""
+
+
+class ShardProcess:
+    """One router process (``args`` decide whether and how it is sharded)."""
+
+    def __init__(self, workdir: Path, *args: str) -> None:
+        self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.args = args
+        self.log = workdir / "router.log"
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def launch(self) -> subprocess.Popen[bytes]:
+        """Starts the process (on its previous port, if it had one) without waiting."""
+        port_file = self.workdir / "router.port"
+        port_file.unlink(missing_ok=True)
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    str(SESSIONROUTER),
+                    "serve",
+                    *("--listen", f"127.0.0.1:{self.port}", "--port-file", str(port_file)),
+                    *("--log-level", "warning"),
+                    *self.args,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
+        return self.proc
+
+    def wait_serving(self, timeout: float = 60) -> str:
+        assert self.proc is not None
+        port_file = self.workdir / "router.port"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"router exited {self.proc.returncode}: {self.tail()}")
+            with contextlib.suppress(FileNotFoundError):
+                text = port_file.read_text().strip()
+                if text.isdigit():
+                    self.port = int(text)
+                    return self.address
+            time.sleep(0.02)
+        raise AssertionError(f"router did not start: {self.tail()}")
+
+    def start(self) -> str:
+        self.launch()
+        return self.wait_serving()
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self) -> int:
+        """SIGTERM (graceful drain), then the exit code; SIGKILL after 30 s."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        return self.proc.returncode
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+
+class ShardMapNginx:
+    """nginx in the foreground with the shard map over ``shards`` (addresses in shard order)."""
+
+    def __init__(self, prefix: Path, shards: Sequence[str], read_timeout_s: int = 300) -> None:
+        self.prefix = prefix
+        self.shards = list(shards)
+        self.read_timeout_s = read_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.prefix / "grpc.sock"
+
+    @property
+    def target(self) -> str:
+        """The gRPC target clients dial."""
+        return f"unix:{self.socket}"
+
+    def start(self) -> str:
+        self.prefix.mkdir(parents=True, exist_ok=True)
+        conf = self.prefix / "nginx.conf"
+        conf.write_text(
+            full_config(
+                self.shards,
+                listen=f"unix:{self.socket}",
+                prefix=str(self.prefix),
+                read_timeout_s=self.read_timeout_s,
+                access_log_format=ACCESS_LOG_FORMAT,
+            )
+        )
+        binary = nginx_binary()
+        check = subprocess.run(
+            [binary, "-t", "-p", str(self.prefix), "-c", str(conf)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert check.returncode == 0, check.stderr
+        self.proc = subprocess.Popen(
+            [binary, "-p", str(self.prefix), "-c", str(conf)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while not self.socket.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"nginx did not start: {self.error_log()}")
+            time.sleep(0.02)
+        return self.target
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGQUIT)  # graceful shutdown of nginx
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket)
+
+    def access_log(self) -> list[tuple[str, str, str]]:
+        """``(x-group-id, upstream address, status)`` per logged call, oldest first; the key
+        decoded from nginx's ``\\xHH`` escapes back to the UTF-8 text the client sent."""
+        path = self.prefix / "access.log"
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text().splitlines():
+            key, upstream, status = line.rsplit("|", 2)
+            raw = re.sub(rb"\\x([0-9A-F]{2})", lambda m: bytes([int(m[1], 16)]), key.encode())
+            rows.append((raw.decode("utf-8"), upstream, status))
+        return rows
+
+    def error_log(self) -> str:
+        path = self.prefix / "error.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
