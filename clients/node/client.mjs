@@ -14,6 +14,10 @@
 //     versions (min and max policy version 3, trainer version 2);
 //  5. deregister the workers.
 //
+// Every call about the group carries the x-group-id header, so the scenario also runs through
+// a proxy that maps groups to shards (nginx hashing $http_x_group_id): worker calls name no
+// group and may reach any shard, which share the worker pool.
+//
 // Exit status 0 on success, 1 with a message otherwise.
 import { randomBytes } from "node:crypto";
 
@@ -31,6 +35,11 @@ const REWARDS = [1, 0, 0, 1];
 const POLICY_VERSION = 3n; // uint64 fields are bigint in protobuf-es
 const TRAINER_VERSION = 2n;
 const CALL_OPTIONS = { timeoutMs: 30_000 };
+
+/** Call options for a call about `groupId`: the header a shard map routes by. */
+function groupOptions(groupId) {
+  return { ...CALL_OPTIONS, headers: { "x-group-id": groupId } };
+}
 
 class ScenarioError extends Error {}
 
@@ -51,7 +60,7 @@ async function startGroup(sessions, groupId, taskId) {
           requestId: `${groupId}-req-${i}`,
           metadata: { client: "node" },
         },
-        CALL_OPTIONS,
+        groupOptions(groupId),
       ),
     ),
   );
@@ -91,7 +100,7 @@ async function checkSizeConflict(sessions, groupId, taskId) {
   try {
     await sessions.startSession(
       { taskId, groupId, groupSize: GROUP_SIZE + 1, requestId: `${groupId}-req-conflict` },
-      CALL_OPTIONS,
+      groupOptions(groupId),
     );
   } catch (err) {
     const e = ConnectError.from(err);
@@ -106,14 +115,14 @@ async function checkSizeConflict(sessions, groupId, taskId) {
 }
 
 /** Sends all requests on one SubmitRewards stream and collects every response until it ends. */
-async function exchangeRewards(sessions, requests) {
+async function exchangeRewards(sessions, groupId, requests) {
   async function* outgoing() {
     for (const [i, req] of requests.entries()) {
       yield { entries: req.entries, sequence: BigInt(i + 1) };
     }
   }
   const events = [];
-  for await (const event of sessions.submitRewards(outgoing(), CALL_OPTIONS)) {
+  for await (const event of sessions.submitRewards(outgoing(), groupOptions(groupId))) {
     events.push(event);
   }
   return events;
@@ -161,7 +170,9 @@ function checkResult(result, groupId, members) {
 
 async function submitRewards(sessions, groupId, members) {
   const entry = (i) => ({ session: members[i].name, reward: REWARDS[i] });
-  const unknown = { session: "groups/nope/sessions/0", reward: 0.5 };
+  // Unknown, but of this group: on a sharded router another group's session could be another
+  // shard's (WRONG_SHARD), not unknown.
+  const unknown = { session: `groups/${groupId}/sessions/99`, reward: 0.5 };
   const nan = { session: members[2].name, reward: Number.NaN };
   const ok = RewardStatus.ACCEPTED;
   const requests = [
@@ -169,7 +180,7 @@ async function submitRewards(sessions, groupId, members) {
     { entries: [nan], want: [RewardStatus.NOT_FINITE] },
     { entries: [entry(2), entry(3)], want: [ok, ok] },
   ];
-  const events = await exchangeRewards(sessions, requests);
+  const events = await exchangeRewards(sessions, groupId, requests);
 
   // `ack` is undefined in a message that only carries group results.
   const acks = [];

@@ -12,7 +12,11 @@
 //     versions (min and max policy version 3, trainer version 2);
 //  5. deregister the workers.
 //
-// Usage: interop-client HOST:PORT. Exit status 0 on success, 1 with a message otherwise.
+// Every call about the group carries the x-group-id header, so the scenario also runs through
+// a proxy that maps groups to shards (nginx hashing $http_x_group_id): worker calls name no
+// group and may reach any shard, which share the worker pool.
+//
+// Usage: interop-client HOST:PORT (or unix:/path). Exit status 0 on success, 1 with a message otherwise.
 package main
 
 import (
@@ -30,6 +34,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
@@ -100,16 +105,18 @@ func run(addr string) (err error) {
 
 	groupID := "go-" + runID
 	taskID := "go-task-" + runID
-	members, err := startGroup(ctx, sessions, groupID, taskID)
+	// The header a shard map routes by; a sharded router checks it against the request.
+	groupCtx := metadata.AppendToOutgoingContext(ctx, "x-group-id", groupID)
+	members, err := startGroup(groupCtx, sessions, groupID, taskID)
 	if err != nil {
 		return err
 	}
 
-	if err := checkSizeConflict(ctx, sessions, groupID, taskID); err != nil {
+	if err := checkSizeConflict(groupCtx, sessions, groupID, taskID); err != nil {
 		return err
 	}
 
-	return submitRewards(ctx, sessions, groupID, members)
+	return submitRewards(groupCtx, sessions, groupID, members)
 }
 
 // startGroup forms the group through groupSize concurrent StartSession calls and returns the
@@ -201,7 +208,9 @@ func submitRewards(ctx context.Context, sessions pb.SessionServiceClient, groupI
 	entry := func(i int) *pb.RewardEntry {
 		return &pb.RewardEntry{Session: members[i].GetName(), Reward: rewards[i]}
 	}
-	unknown := &pb.RewardEntry{Session: "groups/nope/sessions/0", Reward: 0.5}
+	// Unknown, but of this group: on a sharded router another group's session could be
+	// another shard's (WRONG_SHARD), not unknown.
+	unknown := &pb.RewardEntry{Session: "groups/" + groupID + "/sessions/99", Reward: 0.5}
 	nan := &pb.RewardEntry{Session: members[2].GetName(), Reward: math.NaN()}
 	// Expected status of each entry of each request, by sequence number.
 	accepted, unknownStatus, notFinite := pb.RewardStatus_REWARD_STATUS_ACCEPTED,

@@ -16,11 +16,14 @@ import dev.sessionrouter.v1.StartSessionResponse;
 import dev.sessionrouter.v1.SubmitRewardsRequest;
 import dev.sessionrouter.v1.SubmitRewardsResponse;
 import dev.sessionrouter.v1.WorkerServiceGrpc;
+import io.grpc.ClientInterceptor;
 import io.grpc.Grpc;
 import io.grpc.InsecureChannelCredentials;
 import io.grpc.ManagedChannel;
+import io.grpc.Metadata;
 import io.grpc.Status;
 import io.grpc.StatusRuntimeException;
+import io.grpc.stub.MetadataUtils;
 import io.grpc.stub.StreamObserver;
 import java.security.SecureRandom;
 import java.util.ArrayList;
@@ -45,6 +48,10 @@ import java.util.concurrent.TimeUnit;
  * session and a NaN reward along the way, checks each entry's status, the group_result's
  * advantages against GRPO computed here (ddof 1, eps 1e-6) and its versions (min and max 3,
  * trainer 2); deregisters the workers.
+ *
+ * <p>Every call about the group carries the {@code x-group-id} header, so the scenario also runs
+ * through a proxy that maps groups to shards (nginx hashing {@code $http_x_group_id}); worker
+ * calls name no group and may reach any shard, which share the worker pool.
  *
  * <p>Exit status 0 on success, 1 with a message otherwise.
  */
@@ -107,8 +114,21 @@ public final class InteropClient {
     return workers.withDeadlineAfter(CALL_TIMEOUT_SECONDS, TimeUnit.SECONDS);
   }
 
-  private SessionServiceGrpc.SessionServiceBlockingStub sessions() {
-    return sessions.withDeadlineAfter(CALL_TIMEOUT_SECONDS, TimeUnit.SECONDS);
+  /** The header a shard map routes by; a sharded router checks it against the request. */
+  private static final Metadata.Key<String> GROUP_HEADER =
+      Metadata.Key.of("x-group-id", Metadata.ASCII_STRING_MARSHALLER);
+
+  private static ClientInterceptor groupHeader(String groupId) {
+    Metadata headers = new Metadata();
+    headers.put(GROUP_HEADER, groupId);
+    return MetadataUtils.newAttachHeadersInterceptor(headers);
+  }
+
+  /** The session stub for calls about {@code groupId}. */
+  private SessionServiceGrpc.SessionServiceBlockingStub sessions(String groupId) {
+    return sessions
+        .withDeadlineAfter(CALL_TIMEOUT_SECONDS, TimeUnit.SECONDS)
+        .withInterceptors(groupHeader(groupId));
   }
 
   private void run() throws InterruptedException {
@@ -159,7 +179,8 @@ public final class InteropClient {
                 .setRequestId(groupId + "-req-" + i)
                 .putMetadata("client", "java")
                 .build();
-        calls.add(CompletableFuture.supplyAsync(() -> sessions().startSession(request), pool));
+        calls.add(
+            CompletableFuture.supplyAsync(() -> sessions(groupId).startSession(request), pool));
       }
       CompletableFuture.allOf(calls.toArray(new CompletableFuture<?>[0])).exceptionally(e -> null).join();
     } finally {
@@ -208,7 +229,7 @@ public final class InteropClient {
   /** Joining with another group_size is refused, never merged. */
   private void checkSizeConflict(String groupId, String taskId) {
     try {
-      sessions()
+      sessions(groupId)
           .startSession(
               StartSessionRequest.newBuilder()
                   .setTaskId(taskId)
@@ -237,7 +258,7 @@ public final class InteropClient {
             new RewardRequest(
                 List.of(
                     entry(members[0].getName(), REWARDS[0]),
-                    entry("groups/nope/sessions/0", 0.5),
+                    entry("groups/" + groupId + "/sessions/99", 0.5),
                     entry(members[1].getName(), REWARDS[1])),
                 List.of(ok, RewardStatus.REWARD_STATUS_UNKNOWN_SESSION, ok)),
             new RewardRequest(
@@ -254,6 +275,7 @@ public final class InteropClient {
     CountDownLatch done = new CountDownLatch(1);
     StreamObserver<SubmitRewardsRequest> stream =
         sessionsAsync
+            .withInterceptors(groupHeader(groupId))
             .withDeadlineAfter(CALL_TIMEOUT_SECONDS, TimeUnit.SECONDS)
             .submitRewards(
                 new StreamObserver<>() {
