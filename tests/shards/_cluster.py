@@ -177,3 +177,61 @@ class ShardMapNginx:
     def error_log(self) -> str:
         path = self.prefix / "error.log"
         return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+
+class Cluster:
+    """NATS, N shard processes (journals under ``base``) and the nginx shard map over them.
+
+    ``shard_args`` are added to every shard's command line. Shards are started together
+    (launched, then waited for), each on 127.0.0.1:0 the first time and on its own port
+    after, so the nginx config written once stays right across shard restarts.
+    """
+
+    def __init__(self, base: Path, count: int = 3, *shard_args: str) -> None:
+        from tests.shards.support import NatsServer
+
+        self.base = base
+        self.count = count
+        self.nats = NatsServer(base / "nats")
+        self.nats.workdir.mkdir(parents=True, exist_ok=True)
+        self.shard_args = shard_args
+        self.shards: list[ShardProcess] = []
+        self.nginx = ShardMapNginx(base / "nginx", [])
+
+    @property
+    def addresses(self) -> list[str]:
+        return [shard.address for shard in self.shards]
+
+    def shard_argv(self, index: int) -> tuple[str, ...]:
+        return (
+            *("--shard", f"{index}/{self.count}", "--nats-url", self.nats.url),
+            *("--state-dir", str(self.base / f"shard{index}" / "state")),
+            *("--journal-sync", "normal"),  # the tests kill processes, not the OS
+            *self.shard_args,
+        )
+
+    def start(self) -> None:
+        self.nats.start()
+        self.shards = [
+            ShardProcess(self.base / f"shard{i}", *self.shard_argv(i)) for i in range(self.count)
+        ]
+        for shard in self.shards:
+            shard.launch()
+        for shard in self.shards:
+            shard.wait_serving()
+        self.nginx.shards = self.addresses
+        self.nginx.start()
+
+    def stop(self) -> None:
+        self.nginx.stop()
+        for shard in self.shards:
+            shard.stop()
+        self.nats.stop()
+
+    def logs(self) -> str:
+        parts = [f"--- shard {i} ---\n{s.tail(2000)}" for i, s in enumerate(self.shards)]
+        parts += [
+            f"--- nats ---\n{self.nats.tail(1500)}",
+            f"--- nginx ---\n{self.nginx.error_log()}",
+        ]
+        return "\n".join(parts)

@@ -42,12 +42,17 @@ from sessionrouter.client._errors import (
     FailedPreconditionError,
     InternalError,
     InvalidArgumentError,
+    OutOfRangeError,
     SessionRouterError,
 )
 from sessionrouter.client._feed import FeedRetryHook, FeedSkipHook, follow_feed
 from sessionrouter.client._retry import Retrier, RetryPolicy
 from sessionrouter.client._rewards import ReplacementHook, RewardStream
-from sessionrouter.client._shard_rewards import ShardedRewardStream, split_by_shard
+from sessionrouter.client._shard_rewards import (
+    ShardedRewardStream,
+    split_by_shard,
+    wrong_shard_owner,
+)
 from sessionrouter.client._shards import Route, ShardRouting, ShardStubs
 from sessionrouter.client.shardmap import shard_of
 from sessionrouter.client.types import (
@@ -690,12 +695,24 @@ class SessionRouterClient:
             )
         )
         results: list[RewardResult | None] = [None] * len(entries)
-        for (_, (positions, _)), part in zip(by_shard, parts, strict=True):
+        resend: dict[int, list[int]] = {}
+        for (shard, (positions, _)), part in zip(by_shard, parts, strict=True):
             for position, result in zip(positions, part.results, strict=True):
                 results[position] = result
+                owner = wrong_shard_owner(self._routing, result, shard)
+                if owner is not None:
+                    resend.setdefault(owner, []).append(position)
+        group_results = [g for part in parts for g in part.group_results]
+        for owner, positions in resend.items():  # once: what the owner says is the answer
+            again = await self._submit_on(
+                self._routing.shard(owner), [entries[p] for p in positions], timeout
+            )
+            for position, result in zip(positions, again.results, strict=True):
+                results[position] = result
+            group_results += again.group_results
         return SubmitRewardsResult(
             results=tuple(r for r in results if r is not None),
-            group_results=tuple(g for part in parts for g in part.group_results),
+            group_results=tuple(group_results),
         )
 
     async def _submit_on(
@@ -834,6 +851,11 @@ class SessionRouterClient:
         Polls ``get_group`` (every ``poll_interval`` seconds, doubling up to
         ``max_poll_interval``) until the group has a feed cursor, then reads that one result
         from the feed. An incomplete group ends at its deadline, so this may take that long.
+
+        Sharded: ``Group.cursor`` is the owning shard's own cursor k, and the merged feed
+        holds each shard's results in its cursor order, so the group sits at a merged cursor
+        of at least k: the feed is read from there until the group comes (also waiting while
+        the shard's backlog is still on its way to the merged feed).
         """
         interval = poll_interval
         while True:
@@ -842,6 +864,8 @@ class SessionRouterClient:
                 break
             await asyncio.sleep(interval)
             interval = min(interval * 2, max_poll_interval)
+        if self._routing.sharded:
+            return await self._find_on_merged_feed(group_id, group.cursor, max_poll_interval)
         feed = self.subscribe_groups(after_cursor=group.cursor - 1)
         try:
             result = await anext(feed)
@@ -852,6 +876,25 @@ class SessionRouterClient:
                 f"feed cursor {group.cursor} holds group {result.group_id!r}, not {group_id!r}"
             )
         return result
+
+    async def _find_on_merged_feed(
+        self, group_id: str, shard_cursor: int, retry_interval: float
+    ) -> GroupResult:
+        after = shard_cursor - 1
+        while True:
+            feed = self.subscribe_groups(after_cursor=after)
+            try:
+                async for result in feed:
+                    if result.group_id == group_id:
+                        return result
+            except OutOfRangeError as error:
+                if error.reason == "CURSOR_EXPIRED":
+                    after = 0  # the merged feed no longer starts that early: from its oldest
+                    continue
+                # Ahead of the merged feed: the shard's results are still on their way.
+                await asyncio.sleep(retry_interval)
+            finally:
+                await feed.aclose()
 
     async def run_group(
         self,

@@ -67,6 +67,8 @@ def worker_from_proto(msg: resources_pb2.Worker) -> types.Worker:
         ),
         policy_version=msg.policy_version,
         updating_to_version=msg.updating_to_version,
+        shard_capacity=msg.shard_capacity,
+        cluster_open_sessions=msg.cluster_open_sessions,
     )
 
 
@@ -202,6 +204,7 @@ def group_result_from_proto(msg: resources_pb2.GroupResult) -> types.GroupResult
         max_version=msg.max_version,
         trainer_version=msg.trainer_version,
         admitted_trainer_version=msg.admitted_trainer_version,
+        shard=msg.shard,
     )
 
 
@@ -302,7 +305,10 @@ def replacement_from_proto(msg: session_service_pb2.MemberReplaced) -> types.Rep
 
 def reward_result_from_proto(msg: session_service_pb2.RewardResult) -> types.RewardResult:
     return types.RewardResult(
-        status=_enum_from_proto(types.RewardStatus, msg.status), detail=msg.detail
+        status=_enum_from_proto(types.RewardStatus, msg.status),
+        detail=msg.detail,
+        owner_shard=msg.owner_shard if msg.HasField("owner_shard") else None,
+        owner_address=msg.owner_address,
     )
 
 
@@ -326,6 +332,8 @@ def worker_to_proto(value: types.Worker) -> resources_pb2.Worker:
         last_heartbeat_time=_time_to_proto(value.last_heartbeat_time),
         policy_version=value.policy_version,
         updating_to_version=value.updating_to_version,
+        shard_capacity=value.shard_capacity,
+        cluster_open_sessions=value.cluster_open_sessions,
     )
 
 
@@ -411,6 +419,7 @@ def group_result_to_proto(value: types.GroupResult) -> resources_pb2.GroupResult
         max_version=value.max_version,
         trainer_version=value.trainer_version,
         admitted_trainer_version=value.admitted_trainer_version,
+        shard=value.shard,
     )
 
 
@@ -465,5 +474,8 @@ def replacement_to_proto(value: types.Replacement) -> session_service_pb2.Member
 
 def reward_result_to_proto(value: types.RewardResult) -> session_service_pb2.RewardResult:
     return session_service_pb2.RewardResult(
-        status=session_service_pb2.RewardStatus.ValueType(value.status.value), detail=value.detail
+        status=session_service_pb2.RewardStatus.ValueType(value.status.value),
+        detail=value.detail,
+        owner_shard=value.owner_shard,
+        owner_address=value.owner_address,
     )

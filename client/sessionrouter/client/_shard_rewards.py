@@ -13,11 +13,15 @@ shards; ``watch_group`` resolves from the stream of the group's shard; ``results
 the group results of all shards (in arrival order, which across shards is not cursor order;
 the feed has that). A shard's stream failing fails its own entries only: the other shards'
 entries are answered as usual, and ``results()`` raises the first failure at the end.
+
+An entry answered ``WRONG_SHARD`` (the client's shard list disagrees with the routers') is
+resent once to the shard the answer names; what that shard answers is the entry's result.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from types import TracebackType
 from typing import Self
@@ -25,9 +29,11 @@ from typing import Self
 from sessionrouter.client._errors import SessionRouterError, StreamClosedError
 from sessionrouter.client._rewards import RewardStream
 from sessionrouter.client._shards import ShardRouting, group_of_session
-from sessionrouter.client.types import GroupResult, RewardResult
+from sessionrouter.client.types import GroupResult, RewardResult, RewardStatus
 
-__all__ = ["ShardedRewardStream", "split_by_shard"]
+__all__ = ["ShardedRewardStream", "split_by_shard", "wrong_shard_owner"]
+
+_log = logging.getLogger("sessionrouter.client.shards")
 
 RewardEntryTuple = tuple[str, float] | tuple[str, float, float | None]
 
@@ -51,6 +57,24 @@ def split_by_shard(
             by_shard[shard] = ([], group)
         by_shard[shard][0].append(position)
     return by_shard
+
+
+def wrong_shard_owner(routing: ShardRouting, result: RewardResult, sent_to: int) -> int | None:
+    """The shard to resend an entry to: the owner a ``WRONG_SHARD`` result names, when it is
+    one of ``routing``'s shards other than ``sent_to``; None otherwise (not followed)."""
+    if result.status is not RewardStatus.WRONG_SHARD or result.owner_shard is None:
+        return None
+    owner = result.owner_shard
+    if not 0 <= owner < routing.count or owner == sent_to:
+        return None
+    _log.warning(
+        "shard %d refused a reward of shard %d's group (%s): the client's shard list disagrees"
+        " with the routers'; resending it there",
+        sent_to,
+        owner,
+        result.detail,
+    )
+    return owner
 
 
 class _End:
@@ -155,10 +179,19 @@ class ShardedRewardStream(RewardStream):
             return_exceptions=True,
         )
         results: list[RewardResult | None] = [None] * len(entries)
-        for (_, (positions, _)), outcome in zip(shares, outcomes, strict=True):
+        resend: dict[int, list[int]] = {}
+        for (shard, (positions, _)), outcome in zip(shares, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 raise outcome
             for position, result in zip(positions, outcome, strict=True):
+                results[position] = result
+                owner = wrong_shard_owner(self._routing, result, shard)
+                if owner is not None:
+                    resend.setdefault(owner, []).append(position)
+        for owner, positions in resend.items():
+            stream = self._stream(owner, group_of_session(entries[positions[0]][0]))
+            again = await stream.submit_many(entries[p] for p in positions)
+            for position, result in zip(positions, again, strict=True):
                 results[position] = result
         return [r for r in results if r is not None]
 
@@ -185,10 +218,6 @@ class ShardedRewardStream(RewardStream):
             yield item
 
     # Internals ------------------------------------------------------------------------------
-
-    def _stream_for_session(self, session: str) -> RewardStream:
-        group = group_of_session(session)
-        return self._stream(0 if group is None else self._routing.shard_of(group), group)
 
     def _stream(self, shard: int, group: str | None) -> RewardStream:
         stream = self._streams.get(shard)

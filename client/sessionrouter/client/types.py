@@ -117,7 +117,8 @@ class RewardStatus(enum.Enum):
     INVALID_VERSIONS = 8
     """min_version above max_version: refused."""
     WRONG_SHARD = 9
-    """Sharded routers: the group belongs to another shard; send the entry to its owner."""
+    """Sharded routers: the session's group is another shard's (``RewardResult.owner_shard``);
+    the sharded client resends such an entry to its owner once."""
 
 
 class PlacementMode(enum.Enum):
@@ -150,6 +151,11 @@ class Worker:
     """The policy (weight) version the worker serves; 0 is unknown."""
     updating_to_version: int = 0
     """Non-zero while the worker is in a weight update to this version (no new sessions)."""
+    shard_capacity: int = 0
+    """Sharded routers: the slots of ``capacity`` the answering shard may fill (0 otherwise)."""
+    cluster_open_sessions: int = 0
+    """Sharded routers: open sessions on this worker over every shard, about a second old;
+    ``open_sessions`` is then the answering shard's own."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,6 +339,9 @@ class GroupResult:
     """The trainer's version when the group was finalized."""
     admitted_trainer_version: int = 0
     """The trainer's version when the group was admitted."""
+    shard: int = 0
+    """Sharded routers: the shard that owns the group (0 for a single router). On the feed
+    of a sharded router ``cursor`` is the merged feed's; on a reward stream, the shard's own."""
 
     @property
     def rewards_array(self) -> npt.NDArray[np.float64]:
@@ -369,6 +378,10 @@ class RewardResult:
     status: RewardStatus
     detail: str = ""
     """Human-readable explanation for any status but ``ACCEPTED``."""
+    owner_shard: int | None = None
+    """``WRONG_SHARD``: the shard that owns the session's group."""
+    owner_address: str = ""
+    """``WRONG_SHARD``: that shard's address, when the router knows it."""
 
     @property
     def ok(self) -> bool:
