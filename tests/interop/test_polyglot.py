@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
+from collections.abc import Iterator
 
 import pytest
+
+from sessionrouter.client.shardmap import shard_of
+from tests.shards._cluster import Cluster
 
 from ._server import REPO_ROOT, running_server
 from ._toolchain import make, require_tools
@@ -33,6 +37,24 @@ CLIENTS = {
 }
 
 
+def run_client(language: str, address: str) -> None:
+    """Runs the language's scenario against ``address``; fails with its output."""
+    client = CLIENTS[language]
+    try:
+        done = subprocess.run(
+            [*client.argv, address],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=CLIENT_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the {language} client ran over {CLIENT_TIMEOUT_S} s:\n{e.output!r}")
+    output = f"--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
+    assert done.returncode == 0, f"the {language} client exited with {done.returncode}\n{output}"
+    assert f"{language} interop client: OK" in done.stdout, output
+
+
 @pytest.mark.interop
 @pytest.mark.timeout(600)  # a cold Maven or Go build downloads its dependencies first
 @pytest.mark.parametrize("language", sorted(CLIENTS))
@@ -42,17 +64,38 @@ def test_client_runs_the_scenario_against_the_router(language: str) -> None:
     make(client.make_target)
 
     with running_server("real") as address:
-        try:
-            done = subprocess.run(
-                [*client.argv, address],
-                cwd=REPO_ROOT,
-                capture_output=True,
-                text=True,
-                timeout=CLIENT_TIMEOUT_S,
-            )
-        except subprocess.TimeoutExpired as e:
-            pytest.fail(f"the {language} client ran over {CLIENT_TIMEOUT_S} s:\n{e.output!r}")
+        run_client(language, address)
 
-    output = f"--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
-    assert done.returncode == 0, f"the {language} client exited with {done.returncode}\n{output}"
-    assert f"{language} interop client: OK" in done.stdout, output
+
+@pytest.fixture(scope="module")
+def shard_map(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """3 shards with NATS, and nginx hashing x-group-id over them on a TCP port."""
+    cluster = Cluster(tmp_path_factory.mktemp("interop-shards"), 3, nginx_tcp=True)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        print(cluster.logs())
+
+
+@pytest.mark.interop
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("language", sorted(CLIENTS))
+def test_client_runs_the_scenario_through_the_nginx_shard_map(
+    language: str, shard_map: Cluster
+) -> None:
+    """The same scenario, unchanged, through nginx in front of 3 shards: the group's calls
+    reach its owner by their x-group-id, the worker calls any shard (one shared pool)."""
+    client = CLIENTS[language]
+    require_tools(*client.tools)
+    make(client.make_target)
+    before = len(shard_map.nginx.access_log())
+    run_client(language, shard_map.nginx.target)
+    calls = shard_map.nginx.access_log()[before:]
+    keyed = {(key, upstream) for key, upstream, _ in calls if key not in ("", "-")}
+    groups = {key for key, _ in keyed}
+    assert len(groups) == 1, keyed  # every call about the group named it
+    (group,) = groups
+    owner = shard_map.addresses[shard_of(group, 3)]
+    assert {upstream for _, upstream in keyed} == {owner}

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -21,6 +23,11 @@ from pathlib import Path
 
 from sessionrouter.client.nginx_shard_map import full_config
 from tests.integration.processes import SESSIONROUTER, nginx_binary
+
+
+class PortTakenError(Exception):
+    """nginx could not bind its port: another process holds it."""
+
 
 ACCESS_LOG_FORMAT = "$http_x_group_id|$upstream_addr|$status"
 """One access-log line per call: the hashed key, the shard nginx chose, the HTTP status."""
@@ -101,12 +108,21 @@ class ShardProcess:
 
 
 class ShardMapNginx:
-    """nginx in the foreground with the shard map over ``shards`` (addresses in shard order)."""
+    """nginx in the foreground with the shard map over ``shards`` (addresses in shard order).
 
-    def __init__(self, prefix: Path, shards: Sequence[str], read_timeout_s: int = 300) -> None:
+    It listens on a Unix socket, or with ``tcp`` on a port of 127.0.0.1 for clients that
+    cannot dial a socket (the Java and Node interop clients): nginx cannot bind port 0, so a
+    random port below the ephemeral range is tried, and another one when it is taken.
+    """
+
+    def __init__(
+        self, prefix: Path, shards: Sequence[str], read_timeout_s: int = 300, *, tcp: bool = False
+    ) -> None:
         self.prefix = prefix
         self.shards = list(shards)
         self.read_timeout_s = read_timeout_s
+        self.tcp = tcp
+        self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -116,15 +132,27 @@ class ShardMapNginx:
     @property
     def target(self) -> str:
         """The gRPC target clients dial."""
-        return f"unix:{self.socket}"
+        return f"127.0.0.1:{self.port}" if self.tcp else f"unix:{self.socket}"
 
     def start(self) -> str:
+        if not self.tcp:
+            return self._start(f"unix:{self.socket}")
+        for _ in range(20):
+            self.port = random.randrange(20000, 32000)
+            try:
+                return self._start(f"127.0.0.1:{self.port}")
+            except PortTakenError:
+                continue
+        raise AssertionError(f"nginx found no free port: {self.error_log()}")
+
+    def _start(self, listen: str) -> str:
         self.prefix.mkdir(parents=True, exist_ok=True)
+        (self.prefix / "error.log").unlink(missing_ok=True)
         conf = self.prefix / "nginx.conf"
         conf.write_text(
             full_config(
                 self.shards,
-                listen=f"unix:{self.socket}",
+                listen=listen,
                 prefix=str(self.prefix),
                 read_timeout_s=self.read_timeout_s,
                 access_log_format=ACCESS_LOG_FORMAT,
@@ -144,11 +172,22 @@ class ShardMapNginx:
             stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 30
-        while not self.socket.exists():
+        while not self._listening():
+            if self.proc.poll() is not None and "Address already in use" in self.error_log():
+                raise PortTakenError(listen)
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"nginx did not start: {self.error_log()}")
             time.sleep(0.02)
         return self.target
+
+    def _listening(self) -> bool:
+        if not self.tcp:
+            return self.socket.exists()
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            return False
+        with socket.socket() as probe:
+            return probe.connect_ex(("127.0.0.1", self.port)) == 0
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -187,7 +226,9 @@ class Cluster:
     after, so the nginx config written once stays right across shard restarts.
     """
 
-    def __init__(self, base: Path, count: int = 3, *shard_args: str) -> None:
+    def __init__(
+        self, base: Path, count: int = 3, *shard_args: str, nginx_tcp: bool = False
+    ) -> None:
         from tests.shards.support import NatsServer
 
         self.base = base
@@ -196,7 +237,7 @@ class Cluster:
         self.nats.workdir.mkdir(parents=True, exist_ok=True)
         self.shard_args = shard_args
         self.shards: list[ShardProcess] = []
-        self.nginx = ShardMapNginx(base / "nginx", [])
+        self.nginx = ShardMapNginx(base / "nginx", [], tcp=nginx_tcp)
 
     @property
     def addresses(self) -> list[str]:
