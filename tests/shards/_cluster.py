@@ -227,7 +227,12 @@ class Cluster:
     """
 
     def __init__(
-        self, base: Path, count: int = 3, *shard_args: str, nginx_tcp: bool = False
+        self,
+        base: Path,
+        count: int = 3,
+        *shard_args: str,
+        nginx_tcp: bool = False,
+        journal_sync: str | None = "normal",
     ) -> None:
         from tests.shards.support import NatsServer
 
@@ -236,6 +241,9 @@ class Cluster:
         self.nats = NatsServer(base / "nats")
         self.nats.workdir.mkdir(parents=True, exist_ok=True)
         self.shard_args = shard_args
+        self.journal_sync = journal_sync
+        """``normal`` by default: the tests kill processes, not the OS; None keeps the
+        router's default (``full``)."""
         self.shards: list[ShardProcess] = []
         self.nginx = ShardMapNginx(base / "nginx", [], tcp=nginx_tcp)
 
@@ -247,7 +255,7 @@ class Cluster:
         return (
             *("--shard", f"{index}/{self.count}", "--nats-url", self.nats.url),
             *("--state-dir", str(self.base / f"shard{index}" / "state")),
-            *("--journal-sync", "normal"),  # the tests kill processes, not the OS
+            *(("--journal-sync", self.journal_sync) if self.journal_sync else ()),
             *self.shard_args,
         )
 
