@@ -29,6 +29,13 @@ and a trainer that consumes every finished group, resuming after restarts::
         train_on(group)
         last_cursor = group.cursor
 
+A sharded router (N shards that own their groups) takes the shard addresses in shard order,
+or one proxy address (nginx hashing ``x-group-id``) with the shard count; the methods are the
+same, and each call goes to the shard that owns its group::
+
+    client = SessionRouterClient.connect(["sr-0:50051", "sr-1:50051", "sr-2:50051"])
+    client = SessionRouterClient.connect("nginx:8443", shard_count=3)
+
 Values are frozen dataclasses (``sessionrouter.client.types``), never protobuf messages;
 failures raise ``SessionRouterError`` subclasses carrying the router's reason and details.
 """
