@@ -233,9 +233,10 @@ async function run(address) {
       );
     }
     console.log(`registered workers ${workerIds.join(", ")}`);
-    await sessions.setTrainerState({ version: TRAINER_VERSION }, CALL_OPTIONS);
     const groupId = `node-${runId}`;
     const taskId = `node-task-${runId}`;
+    // Each shard keeps its own trainer state: it goes to the group's shard, as the group does.
+    await sessions.setTrainerState({ version: TRAINER_VERSION }, groupOptions(groupId));
     const members = await startGroup(sessions, groupId, taskId);
     await checkSizeConflict(sessions, groupId, taskId);
     await submitRewards(sessions, groupId, members);

@@ -92,7 +92,12 @@ func run(addr string) (err error) {
 		}
 	}
 	fmt.Printf("registered workers %v\n", workerIDs)
-	if _, err := sessions.SetTrainerState(ctx, &pb.SetTrainerStateRequest{Version: trainerVersion}); err != nil {
+	groupID := "go-" + runID
+	taskID := "go-task-" + runID
+	// The header a shard map routes by; a sharded router checks it against the request. The
+	// trainer state goes with it too: each shard keeps its own, and the group's shard admits it.
+	groupCtx := metadata.AppendToOutgoingContext(ctx, "x-group-id", groupID)
+	if _, err := sessions.SetTrainerState(groupCtx, &pb.SetTrainerStateRequest{Version: trainerVersion}); err != nil {
 		return fmt.Errorf("SetTrainerState: %w", err)
 	}
 	defer func() {
@@ -103,10 +108,6 @@ func run(addr string) (err error) {
 		}
 	}()
 
-	groupID := "go-" + runID
-	taskID := "go-task-" + runID
-	// The header a shard map routes by; a sharded router checks it against the request.
-	groupCtx := metadata.AppendToOutgoingContext(ctx, "x-group-id", groupID)
 	members, err := startGroup(groupCtx, sessions, groupID, taskID)
 	if err != nil {
 		return err

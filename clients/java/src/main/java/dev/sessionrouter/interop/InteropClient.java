@@ -151,10 +151,11 @@ public final class InteropClient {
         workerIds.add(id);
       }
       System.out.println("registered workers " + workerIds);
-      sessions()
-          .setTrainerState(SetTrainerStateRequest.newBuilder().setVersion(TRAINER_VERSION).build());
       String groupId = "java-" + runId;
       String taskId = "java-task-" + runId;
+      // Each shard keeps its own trainer state: it goes to the group's shard, as the group does.
+      sessions(groupId)
+          .setTrainerState(SetTrainerStateRequest.newBuilder().setVersion(TRAINER_VERSION).build());
       Session[] members = startGroup(groupId, taskId);
       checkSizeConflict(groupId, taskId);
       submitRewards(groupId, members);
