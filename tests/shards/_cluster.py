@@ -17,12 +17,16 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from sessionrouter.client.nginx_shard_map import full_config
-from tests.integration.processes import SESSIONROUTER, nginx_binary
+from tests.integration.processes import nginx_binary
+
+SESSIONROUTER = Path(sys.executable).with_name("sessionrouter")
+"""The ``sessionrouter`` entry point of this environment."""
 
 
 class PortTakenError(Exception):
