@@ -450,7 +450,14 @@ type Session struct {
 	// True when a weight update of the session's worker asked for open sessions to be
 	// reported interrupted (BeginWeightUpdate with interrupt_sessions). A reward can still
 	// arrive for it.
-	Interrupted   bool `protobuf:"varint,43,opt,name=interrupted,proto3" json:"interrupted,omitempty"`
+	Interrupted bool `protobuf:"varint,43,opt,name=interrupted,proto3" json:"interrupted,omitempty"`
+	// A number that names this session wherever a reward can name it (RewardEntry.handle,
+	// RewardColumns.handles), so that the router resolves a reward without parsing a name.
+	// Never 0. Opaque: derive nothing from it. It is stable across restarts of a router with a
+	// journal (it is made of journaled state: the group's creation number and the member's
+	// index), and one router never gives two sessions the same handle; a handle of a session
+	// no longer retained is unknown, as its name would be.
+	Handle        uint64 `protobuf:"varint,70,opt,name=handle,proto3" json:"handle,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -623,6 +630,13 @@ func (x *Session) GetInterrupted() bool {
 		return x.Interrupted
 	}
 	return false
+}
+
+func (x *Session) GetHandle() uint64 {
+	if x != nil {
+		return x.Handle
+	}
+	return 0
 }
 
 // How the advantages of a group are computed. Every field is optional: an unset field takes
@@ -1645,7 +1659,7 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\x13updating_to_version\x18) \x01(\x04R\x11updatingToVersion\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xaf\x06\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xc7\x06\n" +
 	"\aSession\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x19\n" +
 	"\bgroup_id\x18\x02 \x01(\tR\agroupId\x12\x14\n" +
@@ -1673,7 +1687,8 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"minVersion\x12\x1f\n" +
 	"\vmax_version\x18* \x01(\x04R\n" +
 	"maxVersion\x12 \n" +
-	"\vinterrupted\x18+ \x01(\bR\vinterrupted\x1a;\n" +
+	"\vinterrupted\x18+ \x01(\bR\vinterrupted\x12\x16\n" +
+	"\x06handle\x18F \x01(\x04R\x06handle\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\t\n" +

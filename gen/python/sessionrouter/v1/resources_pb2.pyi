@@ -301,6 +301,7 @@ class Session(_message.Message):
     MIN_VERSION_FIELD_NUMBER: _builtins.int
     MAX_VERSION_FIELD_NUMBER: _builtins.int
     INTERRUPTED_FIELD_NUMBER: _builtins.int
+    HANDLE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """`groups/{group_id}/sessions/{index}`."""
     group_id: _builtins.str
@@ -352,6 +353,14 @@ class Session(_message.Message):
     reported interrupted (BeginWeightUpdate with interrupt_sessions). A reward can still
     arrive for it.
     """
+    handle: _builtins.int
+    """A number that names this session wherever a reward can name it (RewardEntry.handle,
+    RewardColumns.handles), so that the router resolves a reward without parsing a name.
+    Never 0. Opaque: derive nothing from it. It is stable across restarts of a router with a
+    journal (it is made of journaled state: the group's creation number and the member's
+    index), and one router never gives two sessions the same handle; a handle of a session
+    no longer retained is unknown, as its name would be.
+    """
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Caller metadata given at start. At most 32 entries; keys at most 64 characters, values
@@ -383,10 +392,11 @@ class Session(_message.Message):
         min_version: _builtins.int = ...,
         max_version: _builtins.int = ...,
         interrupted: _builtins.bool = ...,
+        handle: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "_reward", b"_reward", "create_time", b"create_time", "filter_metric", b"filter_metric", "reward", b"reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "_reward", b"_reward", "create_time", b"create_time", "filter_metric", b"filter_metric", "group_id", b"group_id", "index", b"index", "interrupted", b"interrupted", "max_version", b"max_version", "metadata", b"metadata", "min_version", b"min_version", "name", b"name", "replaced_by", b"replaced_by", "replaces", b"replaces", "request_id", b"request_id", "reward", b"reward", "shares_worker", b"shares_worker", "start_version", b"start_version", "state", b"state", "task_id", b"task_id", "worker_address", b"worker_address", "worker_id", b"worker_id", "worker_lost", b"worker_lost"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "_reward", b"_reward", "create_time", b"create_time", "filter_metric", b"filter_metric", "group_id", b"group_id", "handle", b"handle", "index", b"index", "interrupted", b"interrupted", "max_version", b"max_version", "metadata", b"metadata", "min_version", b"min_version", "name", b"name", "replaced_by", b"replaced_by", "replaces", b"replaces", "request_id", b"request_id", "reward", b"reward", "shares_worker", b"shares_worker", "start_version", b"start_version", "state", b"state", "task_id", b"task_id", "worker_address", b"worker_address", "worker_id", b"worker_id", "worker_lost", b"worker_lost"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__filter_metric: _TypeAlias = _typing.Literal["filter_metric"]  # noqa: Y015
     _WhichOneofArgType__filter_metric: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric"]  # noqa: Y015

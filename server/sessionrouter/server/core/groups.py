@@ -310,6 +310,14 @@ class GroupLedger:
     def find(self, group_id: str) -> GroupRecord | None:
         return self._groups.get(group_id)
 
+    def find_seq(self, seq: int) -> GroupRecord | None:
+        """The retained group created ``seq``-th (a session handle's group), or None."""
+        at = bisect.bisect_left(self._order_seq, seq)
+        if at == len(self._order_seq) or self._order_seq[at] != seq:
+            return None
+        group = self._groups.get(self._order_ids[at])
+        return group if group is not None and group.seq == seq else None
+
     def get(self, group_id: str) -> GroupRecord:
         group = self._groups.get(group_id)
         if group is None:
