@@ -303,6 +303,12 @@ class GroupLedger:
         self._next_seq += 1
         return seq
 
+    def restart_seqs(self, seq: int) -> None:
+        """Numbers the next group ``seq`` (an empty ledger only: seqs never repeat)."""
+        if self._groups:
+            raise ValueError("only an empty ledger can restart its numbering")
+        self._next_seq = seq
+
     def skip_seqs_below(self, seq: int) -> None:
         """Never hands out a seq below ``seq`` (a journal used them already)."""
         self._next_seq = max(self._next_seq, seq)

@@ -25,6 +25,7 @@ import dataclasses
 import heapq
 import logging
 import math
+import secrets
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
@@ -183,6 +184,13 @@ class SessionRouter:
         self.groups = GroupLedger(
             self.settings.finished_group_retention, self.settings.max_retained_bytes
         )
+        # Group seqs, and so session handles, start at a random multiple of 2**32 in a router
+        # kept in memory: restarted, it gives new groups seqs the previous process did not
+        # use, so a handle a client kept from that process is unknown here instead of naming
+        # another session. A journaled router numbers on from its journal (``restore``), so
+        # its handles survive restarts. Seqs stay below 2**47, handles below 2**63.
+        if journal is None:
+            self.groups.restart_seqs((secrets.randbelow(1 << 14) << 32) + 1)
         self.feed = GroupFeed(
             self.settings.feed_retention, bytes_limit=self.settings.max_retained_bytes
         )
@@ -1115,6 +1123,7 @@ class SessionRouter:
     def restore(self, state: RecoveredState) -> RestoreSummary:
         """Rebuilds an empty router from what a journal read back, before it serves (see
         ``core.recovery``), then finalizes the groups that had nothing left to wait for."""
+        self.groups.restart_seqs(1)  # the journal's numbering, not the in-memory random one
         rebuilt = rebuild(
             state, self.workers, self.groups, self.feed, self.clock.monotonic(), self.clock.wall()
         )
