@@ -233,10 +233,14 @@ async def test_malformed_columns_end_the_stream_after_the_earlier_acks(
     )
     bad = spb.SubmitRewardsRequest(columns=columns, sequence=2)
     call = harness.sessions.SubmitRewards(iter([good, bad]))
-    acks = []
-    with pytest.raises(grpc.aio.AioRpcError) as info:
+    acks: list[spb.RewardAck] = []
+
+    async def read_all() -> None:
         async for response in call:
             acks.append(response.ack)
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await read_all()
     assert [(a.sequence, list(a.statuses)) for a in acks] == [
         (1, [spb.REWARD_STATUS_UNKNOWN_SESSION])
     ]
