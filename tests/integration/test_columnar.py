@@ -150,6 +150,7 @@ def per_entry(ack: spb.RewardAck) -> list[tuple[int, str]]:
     if ack.results:
         assert not ack.statuses
         return [(r.status, r.detail) for r in ack.results]
+    assert list(ack.detail_entries) == sorted(ack.detail_entries)
     details = dict(zip(ack.detail_entries, ack.details, strict=True))
     assert all(ack.statuses[i] != spb.REWARD_STATUS_ACCEPTED for i in details)
     return [(status, details.get(i, "")) for i, status in enumerate(ack.statuses)]

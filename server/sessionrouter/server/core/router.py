@@ -908,7 +908,7 @@ class SessionRouter:
         codes = bytearray(b"\x01") * n
         detail_entries: list[int] = []
         details: list[str] = []
-        sessions = self._resolve(batch, codes, detail_entries, details)
+        sessions, unknown = self._resolve(batch)
         rewards = batch.rewards
         metrics = batch.metrics
         has_metric = batch.has_metric
@@ -939,7 +939,10 @@ class SessionRouter:
                     versions = (low, high)
             session = sessions[i]
             if session is None:
-                continue  # UNKNOWN_SESSION, said by _resolve
+                codes[i] = _UNKNOWN_SESSION
+                detail_entries.append(i)
+                details.append(unknown[i])
+                continue
             reward = rewards[i]
             metric = None
             if metrics is not None and (has_metric is None or has_metric[i]):
@@ -998,19 +1001,13 @@ class SessionRouter:
             counts[status] += count
         return outcome
 
-    def _resolve(
-        self,
-        batch: RewardBatch,
-        codes: bytearray,
-        detail_entries: list[int],
-        details: list[str],
-    ) -> list[SessionRecord | None]:
+    def _resolve(self, batch: RewardBatch) -> tuple[list[SessionRecord | None], dict[int, str]]:
         """The session each entry names (by handle, by name, or both, which must agree), or
-        None with UNKNOWN_SESSION and its detail recorded. Details of one entry are appended
-        in entry order, so this runs before any other status is given."""
+        None; and for those entries, why (the detail of their UNKNOWN_SESSION)."""
         n = len(batch.rewards)
         names, handles = batch.names, batch.handles
         found: list[SessionRecord | None] = [None] * n
+        unknown: dict[int, str] = {}
         by_seq: dict[int, GroupRecord | None] = {}
         by_id: dict[str, GroupRecord | None] = {}
         find_seq, find = self.groups.find_seq, self.groups.find
@@ -1056,11 +1053,9 @@ class SessionRouter:
             else:
                 problem = "the entry names no session: give its handle or its name"
             if session is None:
-                codes[i] = _UNKNOWN_SESSION
-                detail_entries.append(i)
-                details.append(problem)
+                unknown[i] = problem
             found[i] = session
-        return found
+        return found, unknown
 
     # -- finishing groups ------------------------------------------------------------------
 
