@@ -92,8 +92,8 @@ async def test_result_batches_hold_what_the_typed_results_hold(live: SessionRout
     from_feed = [g for b in batches for g in b.groups]
     assert from_feed == typed
     assert [g for b in on_stream for g in b.groups] == typed
-    batch = batches[0] if len(batches) == 1 else None
-    if batch is not None:  # one message, as a quiet router sends it: check the arrays too
+    if len(batches) == 1:  # one message, as a quiet router sends it: check the arrays too
+        (batch,) = batches
         assert batch.cursors.dtype == np.uint64 and batch.member_offsets.tolist() == [0, 2, 5, 6]
         np.testing.assert_array_equal(batch.rewards, rewards)
         assert batch.group_of_member.tolist() == [0, 0, 1, 1, 1, 2]
