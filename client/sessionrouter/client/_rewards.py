@@ -589,6 +589,8 @@ class RewardStream:
             self._results.put_nowait(result)
 
     def _on_result_batch(self, message: resources_pb2.GroupResultBatch) -> None:
+        if not self._keep_results and not self._group_watchers:
+            return  # nobody reads it here (it is on the feed): not even converted
         batch = _convert.result_batch_from_proto(message)
         if self._group_watchers:
             for g, group_id in enumerate(batch.group_ids):

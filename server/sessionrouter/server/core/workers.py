@@ -404,17 +404,20 @@ class WorkerRegistry:
 
         A worker that was deregistered meanwhile is simply gone: nothing to free."""
         worker = self._workers.get(worker_id)
-        if worker is None or key not in worker.open_sessions:
+        if worker is None:
             return
-        was_eligible = worker.eligible
-        worker.open_sessions.discard(key)
-        if was_eligible or not worker.eligible:
+        sessions = worker.open_sessions
+        if key not in sessions:
+            return
+        was_full = len(sessions) >= worker.capacity
+        sessions.discard(key)
+        if was_full and worker.healthy and not worker.draining:
+            self._changed(worker, False)  # eligible again: the counts change now
+        else:
             # Eligibility (and so every count) is unchanged, only the load fell: the heap
             # entry is refreshed once, before the next placement reads the heap, instead of
             # once per released slot (a reward stream releases thousands per second).
             self._stale.add(worker)
-        else:
-            self._changed(worker, was_eligible)
 
     # -- least-loaded index ----------------------------------------------------------------
 
