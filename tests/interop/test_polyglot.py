@@ -56,3 +56,5 @@ def test_client_runs_the_scenario_against_the_router(language: str) -> None:
     output = f"--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
     assert done.returncode == 0, f"the {language} client exited with {done.returncode}\n{output}"
     assert f"{language} interop client: OK" in done.stdout, output
+    if language == "go":  # the Go scenario also submits and reads the columnar form
+        assert "columnar ack: statuses" in done.stdout and "columnar result:" in done.stdout, output
