@@ -235,6 +235,7 @@ def results_to_batch(results: Sequence[feed.GroupResult]) -> pb.GroupResultBatch
     metrics: list[NDArray[np.float64]] = []
     any_metrics = False
     counted = 0
+    last_estimator, last_position = None, 0
     for r in results:
         cursors.append(r.cursor)
         group_ids.append(r.group_id)
@@ -249,10 +250,16 @@ def results_to_batch(results: Sequence[feed.GroupResult]) -> pb.GroupResultBatch
         max_versions.append(r.max_version)
         trainer_versions.append(r.trainer_version)
         admitted.append(r.admitted_version)
-        estimator_of.append(estimators.setdefault(r.estimator, len(estimators)))
+        if r.estimator is not last_estimator:  # hashing the params costs more than this test
+            last_estimator = r.estimator
+            last_position = estimators.setdefault(r.estimator, len(estimators))
+        estimator_of.append(last_position)
         prefix = len(r.group_id) + 17  # len("groups/" + group_id + "/sessions/")
-        indices.extend([int(name[prefix:]) for name in r.sessions])
         n = len(r.sessions)
+        if n == r.group_size and not r.excluded_sessions:
+            indices.extend(range(n))  # every member counts: the indices are 0 to n - 1
+        else:
+            indices.extend([int(name[prefix:]) for name in r.sessions])
         counted += n
         member_offsets.append(counted)
         rewards.append(r.rewards)
