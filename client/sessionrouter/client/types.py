@@ -437,6 +437,9 @@ class WeightUpdate:
     interrupted_sessions: int = 0
 
 
+_RECORDED = bytes((RewardStatus.ACCEPTED.value, RewardStatus.DUPLICATE.value))
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class RewardAckBatch:
     """What the router did with each reward of one ``submit_arrays`` call, as arrays.
@@ -456,12 +459,16 @@ class RewardAckBatch:
     @property
     def ok(self) -> npt.NDArray[np.bool_]:
         """bool (n,): the reward is recorded (ACCEPTED, or DUPLICATE: the same one was)."""
-        recorded = (RewardStatus.ACCEPTED.value, RewardStatus.DUPLICATE.value)
-        return np.isin(self.statuses, recorded)
+        statuses = self.statuses
+        ok: npt.NDArray[np.bool_] = (statuses == RewardStatus.ACCEPTED.value) | (
+            statuses == RewardStatus.DUPLICATE.value
+        )
+        return ok
 
     @property
     def all_ok(self) -> bool:
-        return bool(self.ok.all())
+        """Every reward is recorded (the common case, checked without building ``ok``)."""
+        return not self.statuses.tobytes().translate(None, _RECORDED)
 
     def results(self) -> tuple[RewardResult, ...]:
         """One RewardResult per entry (built on request)."""
