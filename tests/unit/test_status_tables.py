@@ -27,7 +27,7 @@ def test_every_reward_status_converts_to_a_distinct_proto_status() -> None:
 def test_the_status_bytes_of_a_batch_are_the_proto_numbers() -> None:
     """Columnar acks send a batch's status codes as they are: each must be its proto number."""
     assert set(STATUS_CODES) == set(RewardStatus)
-    assert STATUS_CODES == {s: int(number) for s, number in convert.REWARD_STATUS.items()}
+    assert {s: int(number) for s, number in convert.REWARD_STATUS.items()} == STATUS_CODES
 
 
 def test_every_core_error_has_a_status_code() -> None:
