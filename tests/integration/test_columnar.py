@@ -33,6 +33,8 @@ class Ref:
     how: str  # "name", "handle", "both", "both-wrong", "neither", "bad-name", "bad-handle"
     reward: float
     metric: float | None = None
+    low: int = 0
+    high: int = 0
 
 
 async def setup(h: Harness) -> dict[str, list[pb.Session]]:
@@ -81,7 +83,7 @@ def resolve(ref: Ref, members: dict[str, list[pb.Session]]) -> tuple[str, int]:
 
 
 ENTRIES = (
-    Ref("a", 0, "name", 1.0),
+    Ref("a", 0, "name", 1.0, low=3),
     Ref("a", 1, "handle", 0.5),
     Ref("a", 1, "name", 0.5),  # the same reward again: DUPLICATE
     Ref("a", 1, "handle", 0.25),  # another one: CONFLICT
@@ -100,6 +102,8 @@ ENTRIES = (
     Ref("a", 2, "both", 2.0),  # completes group a
     Ref("a", 2, "handle", 2.0),  # after it: DUPLICATE
     Ref("b", 0, "handle", 3.0),  # completes group b (one member aborted)
+    Ref("zz", 0, "name", 1.0, low=5, high=3),  # versions checked first: INVALID_VERSIONS
+    Ref("a", 0, "handle", 1.0, low=1 << 63),  # beyond the largest version: INVALID_VERSIONS
 )
 WITH_METRICS = (
     Ref("c", 0, "handle", 1.0, math.nan),  # a non-finite filter metric
@@ -115,7 +119,13 @@ def message_request(
     entries = []
     for ref in refs:
         name, handle = resolve(ref, members)
-        entry = spb.RewardEntry(session=name, reward=ref.reward, handle=handle)
+        entry = spb.RewardEntry(
+            session=name,
+            reward=ref.reward,
+            handle=handle,
+            min_version=ref.low,
+            max_version=ref.high,
+        )
         if ref.metric is not None:
             entry.filter_metric = ref.metric
         entries.append(entry)
@@ -127,12 +137,15 @@ def columnar_request(
 ) -> spb.SubmitRewardsRequest:
     names, handles = zip(*(resolve(ref, members) for ref in refs), strict=True)
     metrics = [ref.metric for ref in refs if ref.metric is not None]
+    versioned = any(ref.low or ref.high for ref in refs)
     return spb.SubmitRewardsRequest(
         columns=spb.RewardColumns(
             handles=handles,
             sessions=names,
             rewards=[ref.reward for ref in refs],
             filter_metrics=metrics,
+            min_versions=[ref.low for ref in refs] if versioned else [],
+            max_versions=[ref.high for ref in refs] if versioned else [],
         ),
         sequence=1,
         columnar_results=True,
@@ -170,6 +183,10 @@ async def test_both_forms_give_every_entry_the_same_status_and_detail() -> None:
             responses = await submit(h, build(ENTRIES, members), build(WITH_METRICS, members))
             acks = [m.ack for m in responses if m.HasField("ack")]
             got[build] = [masked(per_entry(ack)) for ack in acks]
+            first = await h.sessions.GetSession(
+                spb.GetSessionRequest(session="groups/a/sessions/0")
+            )
+            assert (first.session.min_version, first.session.max_version) == (3, 3)
         assert got[message_request] == got[columnar_request]
         statuses = [s for s, _ in got[message_request][0]]
         S = spb  # noqa: N806
@@ -187,6 +204,8 @@ async def test_both_forms_give_every_entry_the_same_status_and_detail() -> None:
             S.REWARD_STATUS_ACCEPTED,
             S.REWARD_STATUS_DUPLICATE,
             S.REWARD_STATUS_ACCEPTED,
+            S.REWARD_STATUS_INVALID_VERSIONS,
+            S.REWARD_STATUS_INVALID_VERSIONS,
         ]
         assert [s for s, _ in got[message_request][1]] == [
             S.REWARD_STATUS_NOT_FINITE,

@@ -411,7 +411,7 @@ class WorkerRegistry:
             return
         was_full = len(sessions) >= worker.capacity
         sessions.discard(key)
-        if was_full and worker.healthy and not worker.draining:
+        if was_full and worker.healthy and not worker.draining and not worker.updating_to:
             self._changed(worker, False)  # eligible again: the counts change now
         else:
             # Eligibility (and so every count) is unchanged, only the load fell: the heap
