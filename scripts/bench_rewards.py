@@ -220,8 +220,8 @@ async def measure(args: argparse.Namespace) -> None:
     print(f"# uptime before: {uptime()}")
     print(
         f"# {args.rewards} rewards per run (a quarter at 1 entry/msg), groups of {GROUP_SIZE},"
-        f" {WINDOW} requests in flight, router at default settings, median of {args.repeats}"
-        " (router and ack-only alternated)"
+        f" {WINDOW} requests in flight, router flags {args.router_arg or 'default'}, median of"
+        f" {args.repeats} (router and ack-only alternated)"
     )
     trivial = [sys.executable, __file__, "--serve-trivial"]
     print(
@@ -233,7 +233,9 @@ async def measure(args: argparse.Namespace) -> None:
             count = args.rewards if per_message > 1 else args.rewards // 4
             ours, base, ours_cpu, base_cpu = [], [], [], []
             for _ in range(args.repeats):
-                with serve(router_command("--heartbeat-timeout", "3600")) as router:
+                with serve(
+                    router_command("--heartbeat-timeout", "3600", *args.router_arg)
+                ) as router:
                     names, handles = await make_sessions_with_handles(router.address, count)
                     rate, cpu = await run_once(router, mode, names, handles, per_message)
                     ours.append(rate)
@@ -262,6 +264,13 @@ def main() -> None:
         default=["message", "columnar", "client"],
     )
     parser.add_argument("--per-message", nargs="+", type=int, default=[1, 256])
+    parser.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="an extra router flag (repeat it): leave the defaults to quote figures, e.g."
+        " --router-arg=--log-level --router-arg=warning only to show what logging costs",
+    )
     parser.add_argument("--serve-trivial", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
