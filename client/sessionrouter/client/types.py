@@ -119,6 +119,8 @@ class RewardStatus(enum.Enum):
     GROUP_CLOSED = 7
     INVALID_VERSIONS = 8
     """min_version above max_version: refused."""
+    WRONG_SHARD = 9
+    """Sharded routers: the group belongs to another shard; send the entry to its owner."""
 
 
 class PlacementMode(enum.Enum):

@@ -104,6 +104,10 @@ class RouterServer:
         self.metrics_port = 0
         self.activity = ActivityLog(config.activity_log_s)
         """The periodic ``activity`` summary line (see ``sessionrouter.server.activity``)."""
+        self.shards: Any = None
+        """The shard's NATS side (``shards.runtime.ShardRuntime``) in sharded mode."""
+        if config.shards is not None:
+            self.shards = _shard_runtime(self)
 
     async def start(self) -> int:
         """Recovers from the journal if there is one, binds, starts serving and returns the
@@ -120,8 +124,9 @@ class RouterServer:
 
     async def _start(self) -> int:
         cfg = self.config
-        for spec in cfg.workers:
-            self._register_static_worker(spec)
+        if self.shards is None:  # sharded: the pool registers and heartbeats them
+            for spec in cfg.workers:
+                self._register_static_worker(spec)
         options: list[tuple[str, int]] = [
             ("grpc.keepalive_time_ms", int(cfg.keepalive_time_s * 1000)),
             ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
@@ -144,12 +149,16 @@ class RouterServer:
             interceptors += self._tracing()
         # Innermost: it wraps the services' own handlers, after metrics, auth and tracing.
         interceptors.append(DecodingInterceptor(self.refusals))
+        if self.shards is not None:  # innermost of all: it reads decoded requests
+            interceptors.append(self.shards.guard(self.refusals))
         server = grpc.aio.server(options=options, interceptors=interceptors)
-        self._sessions = SessionServicer(self.router, self._commit, self.refusals)
+        if self.shards is not None:
+            self._sessions, workers = self.shards.servicers(self._commit, self.refusals)
+        else:
+            self._sessions = SessionServicer(self.router, self._commit, self.refusals)
+            workers = WorkerServicer(self.router, self._commit, self.refusals)
         spb_grpc.add_SessionServiceServicer_to_server(self._sessions, server)
-        wpb_grpc.add_WorkerServiceServicer_to_server(
-            WorkerServicer(self.router, self._commit, self.refusals), server
-        )
+        wpb_grpc.add_WorkerServiceServicer_to_server(workers, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -163,6 +172,12 @@ class RouterServer:
             raise OSError(f"could not bind {cfg.listen}")
         if cfg.metrics_port is not None:  # before serving: a taken port fails the start cleanly
             self._serve_metrics(registry)
+        if self.shards is not None:  # before serving: no NATS or another shard count, no start
+            try:
+                await self.shards.start(f"{cfg.listen.rsplit(':', 1)[0]}:{self.port}")
+            except BaseException:
+                await server.stop(None)
+                raise
         await server.start()
         self._server = server
         self.activity.start(self.router.snapshot())
@@ -196,6 +211,8 @@ class RouterServer:
         assert cfg.metrics_port is not None
         self._metrics = RouterCollector(self.router, self.refusals)
         registry.register(self._metrics)
+        if self.shards is not None:
+            registry.register(self.shards.collector())
         histograms = DomainHistograms(registry)
         self.router.on_group_finished = histograms.group_finished
         if self.journal is not None:
@@ -355,6 +372,8 @@ class RouterServer:
                 for worker_id in static:
                     if self.router.find_worker(worker_id) is not None:
                         self.router.heartbeat(worker_id)
+            if self.shards is not None:
+                self.shards.tick()
             self.router.expire_due()
             if self.journal is not None:
                 self.journal.kick()
@@ -390,6 +409,8 @@ class RouterServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self._flush_results()
+        if self.shards is not None:
+            await self.shards.stop(grace)
         if self.journal is not None:
             await self.journal.close()
         if self._metrics_http is not None:
@@ -403,6 +424,21 @@ class RouterServer:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+
+def _shard_runtime(server: RouterServer) -> Any:
+    """The sharded mode's runtime; RuntimeError naming the extra when NATS's client is not
+    installed (the CLI prints it as one line)."""
+    try:
+        from sessionrouter.server.shards.runtime import ShardRuntime
+    except ImportError as exc:
+        raise RuntimeError(
+            f"sharded mode needs the shards extra (pip install 'sessionrouter[shards]'): {exc}"
+        ) from None
+    cfg = server.config
+    assert cfg.shards is not None
+    state_dir = cfg.journal.state_dir if cfg.journal is not None else None
+    return ShardRuntime(cfg.shards, server.router, state_dir, cfg.workers)
 
 
 def _token_counts(cfg: ServerConfig) -> dict[str, int] | None:

@@ -4,7 +4,9 @@
 exits 0. Bad configuration prints one ``sessionrouter: error: ...`` line and exits 2. A journal
 that cannot be used (not SQLite, not ours, another schema version, unreadable, locked by
 another router) prints one line naming the file and the problem and exits 1, and so does a
-journal that fails while serving (after draining what it can); the file is never reset.
+journal that fails while serving (after draining what it can); the file is never reset. A
+shard that cannot reach NATS, or finds shards of another count registered, prints one line and
+exits 2.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from sessionrouter.server.config import (  # noqa: E402
     load_file,
 )
 from sessionrouter.server.journal import JournalError  # noqa: E402
+from sessionrouter.server.shards.link import ShardStartError  # noqa: E402
 
 log = logging.getLogger("sessionrouter.cli")
 
@@ -114,6 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return asyncio.run(serve(config, sources.get("port_file")))
+    except ShardStartError as exc:  # NATS unreachable, another shard count: like bad config
+        print(f"sessionrouter: error: {exc}", file=sys.stderr)
+        return 2
     except (OSError, RuntimeError, JournalError) as exc:
         # grpc reports a port it cannot bind as RuntimeError.
         print(f"sessionrouter: error: {exc}", file=sys.stderr)

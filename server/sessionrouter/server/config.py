@@ -51,6 +51,7 @@ from sessionrouter.server.core.settings import RouterSettings
 from sessionrouter.server.core.validation import check_id
 from sessionrouter.server.credentials import CredentialError, TokenTable
 from sessionrouter.server.journal import SyncMode
+from sessionrouter.server.shards.identity import ShardConfig, ShardIdentity
 
 DEMO_WORKER_BASE_PORT = 30000
 DEFAULT_STATE_DIR = "state"
@@ -138,6 +139,8 @@ class ServerConfig:
     """Where spans go; None: OpenTelemetry's default (``$OTEL_EXPORTER_OTLP_ENDPOINT``)."""
     journal: JournalConfig | None = None
     """None keeps every state in memory: a restart loses it (tests, benchmarks)."""
+    shards: ShardConfig | None = None
+    """Sharded mode (``--shard i/N`` with ``--nats-url``); None: one router, no NATS."""
 
 
 # -- the one table of settings -------------------------------------------------------------
@@ -265,6 +268,15 @@ SETTINGS: tuple[Setting, ...] = (
             " another journal's, or behind what it committed), move its files aside into"
             " damaged-* and start an empty journal instead of refusing to start",
             "journal.start_fresh"),
+    Setting("shard", "--shard", str, "0/1", "this router is shard INDEX of COUNT (0-based):"
+            " it serves only the groups with shard_of(group_id, COUNT) == INDEX; 0/1 is one"
+            " router without NATS", "shards.shard", "INDEX/COUNT"),
+    Setting("nats_url", "--nats-url", str, None, "NATS server with JetStream that the shards"
+            " share (the worker pool, the registry and the merged feed); required when"
+            " COUNT > 1, needs the shards extra", "shards.nats_url", "URL"),
+    Setting("advertise", "--advertise", str, None, "the address this shard registers for"
+            " clients and other shards (WRONG_SHARD's owner_address); default the listen"
+            " address with the bound port", "shards.advertise", "HOST:PORT"),
     Setting("log_level", "--log-level", str, "info", "log level",
             choices=("debug", "info", "warning", "error")),
     Setting("log_format", "--log-format", str, "json", "log format", choices=("json", "text")),
@@ -564,6 +576,7 @@ def build_config(
         tracing=get("tracing"),
         otlp_endpoint=get("otlp_endpoint"),
         journal=_journal(src),
+        shards=_shards(src),
     )
     _check_positive("grace_s", config.grace_s)
     if not 0 <= config.shutdown_delay_s <= 3600:
@@ -633,6 +646,23 @@ def _journal(src: Sources) -> JournalConfig | None:
     if src.given("state_dir") and not src.get("state_dir"):
         raise ConfigError("the state directory must not be empty")
     return JournalConfig(state_dir, sync, src.get("check_on_start"), src.get("start_fresh"))
+
+
+def _shards(src: Sources) -> ShardConfig | None:
+    """Sharded mode from ``shard`` and ``nats_url``: None for one router without NATS."""
+    try:
+        shard = ShardIdentity.parse(src.get("shard"))
+    except ValueError as exc:
+        raise ConfigError(f"shards.shard: {exc}") from None
+    url = src.get("nats_url")
+    if shard.sharded and not url:
+        raise ConfigError(
+            f"shards.shard {shard} needs shards.nats_url (--nats-url): the shards share their"
+            " worker pool and feed through NATS"
+        )
+    if not url:
+        return None
+    return ShardConfig(shard, url, src.get("advertise") or "")
 
 
 def _check_positive(key: str, value: float) -> None:

@@ -50,6 +50,7 @@ REWARD_STATUS = {
     rewards.RewardStatus.SESSION_ABORTED: spb.REWARD_STATUS_SESSION_ABORTED,
     rewards.RewardStatus.GROUP_CLOSED: spb.REWARD_STATUS_GROUP_CLOSED,
     rewards.RewardStatus.INVALID_VERSIONS: spb.REWARD_STATUS_INVALID_VERSIONS,
+    rewards.RewardStatus.WRONG_SHARD: spb.REWARD_STATUS_WRONG_SHARD,
 }
 _PLACEMENT: dict[int, placement.PlacementMode | None] = {
     spb.PLACEMENT_MODE_UNSPECIFIED: None,
@@ -364,6 +365,9 @@ def ack_to_proto(ack: RewardAck) -> spb.RewardAck:
             strict=True,
         ):
             messages[i] = spb.RewardResult(status=code, detail=detail)  # type: ignore[arg-type]
+        for i, (shard, address) in (results.owners or {}).items():
+            messages[i].owner_shard = shard  # WRONG_SHARD: where the entry belongs
+            messages[i].owner_address = address
         return spb.RewardAck(sequence=ack.sequence, results=messages)
     return spb.RewardAck(
         sequence=ack.sequence,
@@ -374,7 +378,11 @@ def ack_to_proto(ack: RewardAck) -> spb.RewardAck:
 def _reward_result(r: RewardOutcome) -> spb.RewardResult:
     if r.status is rewards.RewardStatus.ACCEPTED and not r.detail:
         return _ACCEPTED_RESULT
-    return spb.RewardResult(status=REWARD_STATUS[r.status], detail=r.detail)
+    result = spb.RewardResult(status=REWARD_STATUS[r.status], detail=r.detail)
+    if r.owner_shard is not None:  # WRONG_SHARD: where the entry belongs
+        result.owner_shard = r.owner_shard
+        result.owner_address = r.owner_address
+    return result
 
 
 def replacement_to_proto(notice: MemberReplaced) -> spb.MemberReplaced:

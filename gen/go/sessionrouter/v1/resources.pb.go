@@ -295,8 +295,16 @@ type Worker struct {
 	// takes no new sessions until CompleteWeightUpdate, or a heartbeat reporting this version
 	// or a newer one, puts it back.
 	UpdatingToVersion uint64 `protobuf:"varint,41,opt,name=updating_to_version,json=updatingToVersion,proto3" json:"updating_to_version,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// Sharded routers only (0 otherwise): the slots of `capacity` that the answering shard
+	// may fill. Each of N shards gets capacity / N, and capacity % N of them one more, by a
+	// rotation keyed on the worker id, so the shards' shares add up to `capacity` exactly.
+	ShardCapacity uint32 `protobuf:"varint,90,opt,name=shard_capacity,json=shardCapacity,proto3" json:"shard_capacity,omitempty"`
+	// Sharded routers only: open sessions on this worker summed over every shard, as the
+	// shards last published them (about a second old); `open_sessions` is the answering
+	// shard's own.
+	ClusterOpenSessions uint32 `protobuf:"varint,91,opt,name=cluster_open_sessions,json=clusterOpenSessions,proto3" json:"cluster_open_sessions,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *Worker) Reset() {
@@ -395,6 +403,20 @@ func (x *Worker) GetPolicyVersion() uint64 {
 func (x *Worker) GetUpdatingToVersion() uint64 {
 	if x != nil {
 		return x.UpdatingToVersion
+	}
+	return 0
+}
+
+func (x *Worker) GetShardCapacity() uint32 {
+	if x != nil {
+		return x.ShardCapacity
+	}
+	return 0
+}
+
+func (x *Worker) GetClusterOpenSessions() uint32 {
+	if x != nil {
+		return x.ClusterOpenSessions
 	}
 	return 0
 }
@@ -978,7 +1000,10 @@ func (x *Group) GetAdmittedTrainerVersion() uint64 {
 // the statistics are listed in `excluded_sessions`.
 type GroupResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// Position on the completed-group feed: strictly increasing, starting at 1, no gaps.
+	// Position on the completed-group feed: strictly increasing, starting at 1, no gaps. On a
+	// sharded router the feed of SubscribeGroups is the merged feed of every shard and the
+	// cursor is its JetStream stream sequence (one sequence across shards); the result on a
+	// SubmitRewards stream and Group.cursor carry the owning shard's own cursor.
 	Cursor    uint64       `protobuf:"varint,1,opt,name=cursor,proto3" json:"cursor,omitempty"`
 	GroupId   string       `protobuf:"bytes,2,opt,name=group_id,json=groupId,proto3" json:"group_id,omitempty"`
 	TaskId    string       `protobuf:"bytes,3,opt,name=task_id,json=taskId,proto3" json:"task_id,omitempty"`
@@ -1020,8 +1045,10 @@ type GroupResult struct {
 	TrainerVersion uint64 `protobuf:"varint,42,opt,name=trainer_version,json=trainerVersion,proto3" json:"trainer_version,omitempty"`
 	// The trainer's version when the group was admitted (Group.admitted_trainer_version).
 	AdmittedTrainerVersion uint64 `protobuf:"varint,43,opt,name=admitted_trainer_version,json=admittedTrainerVersion,proto3" json:"admitted_trainer_version,omitempty"`
-	unknownFields          protoimpl.UnknownFields
-	sizeCache              protoimpl.SizeCache
+	// Sharded routers: the shard that owns the group (0 for a single router).
+	Shard         uint32 `protobuf:"varint,90,opt,name=shard,proto3" json:"shard,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GroupResult) Reset() {
@@ -1190,6 +1217,13 @@ func (x *GroupResult) GetTrainerVersion() uint64 {
 func (x *GroupResult) GetAdmittedTrainerVersion() uint64 {
 	if x != nil {
 		return x.AdmittedTrainerVersion
+	}
+	return 0
+}
+
+func (x *GroupResult) GetShard() uint32 {
+	if x != nil {
+		return x.Shard
 	}
 	return 0
 }
@@ -1645,7 +1679,7 @@ var File_sessionrouter_v1_resources_proto protoreflect.FileDescriptor
 
 const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\n" +
-	" sessionrouter/v1/resources.proto\x12\x10sessionrouter.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf0\x03\n" +
+	" sessionrouter/v1/resources.proto\x12\x10sessionrouter.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xcb\x04\n" +
 	"\x06Worker\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12\x18\n" +
 	"\aaddress\x18\x02 \x01(\tR\aaddress\x12\x1a\n" +
@@ -1656,7 +1690,9 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\ropen_sessions\x18\a \x01(\rR\fopenSessions\x12J\n" +
 	"\x13last_heartbeat_time\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\x11lastHeartbeatTime\x12%\n" +
 	"\x0epolicy_version\x18( \x01(\x04R\rpolicyVersion\x12.\n" +
-	"\x13updating_to_version\x18) \x01(\x04R\x11updatingToVersion\x1a9\n" +
+	"\x13updating_to_version\x18) \x01(\x04R\x11updatingToVersion\x12%\n" +
+	"\x0eshard_capacity\x18Z \x01(\rR\rshardCapacity\x122\n" +
+	"\x15cluster_open_sessions\x18[ \x01(\rR\x13clusterOpenSessions\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xc7\x06\n" +
@@ -1731,7 +1767,7 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	" \x01(\x04R\x06cursor\x12)\n" +
 	"\x10distinct_workers\x18\x14 \x01(\rR\x0fdistinctWorkers\x12#\n" +
 	"\rshared_worker\x18\x15 \x01(\bR\fsharedWorker\x128\n" +
-	"\x18admitted_trainer_version\x18( \x01(\x04R\x16admittedTrainerVersion\"\xf6\x05\n" +
+	"\x18admitted_trainer_version\x18( \x01(\x04R\x16admittedTrainerVersion\"\x8c\x06\n" +
 	"\vGroupResult\x12\x16\n" +
 	"\x06cursor\x18\x01 \x01(\x04R\x06cursor\x12\x19\n" +
 	"\bgroup_id\x18\x02 \x01(\tR\agroupId\x12\x17\n" +
@@ -1760,7 +1796,8 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\vmax_version\x18) \x01(\x04R\n" +
 	"maxVersion\x12'\n" +
 	"\x0ftrainer_version\x18* \x01(\x04R\x0etrainerVersion\x128\n" +
-	"\x18admitted_trainer_version\x18+ \x01(\x04R\x16admittedTrainerVersion\"U\n" +
+	"\x18admitted_trainer_version\x18+ \x01(\x04R\x16admittedTrainerVersion\x12\x14\n" +
+	"\x05shard\x18Z \x01(\rR\x05shard\"U\n" +
 	"\x0fStalenessPolicy\x12#\n" +
 	"\rmax_staleness\x18\x01 \x01(\rR\fmaxStaleness\x12\x1d\n" +
 	"\n" +

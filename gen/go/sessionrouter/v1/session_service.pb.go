@@ -111,6 +111,9 @@ const (
 	RewardStatus_REWARD_STATUS_GROUP_CLOSED RewardStatus = 7
 	// min_version above max_version: refused.
 	RewardStatus_REWARD_STATUS_INVALID_VERSIONS RewardStatus = 8
+	// Sharded routers: the session's group belongs to another shard (RewardResult.owner_shard
+	// and owner_address say which): refused here, send the entry there.
+	RewardStatus_REWARD_STATUS_WRONG_SHARD RewardStatus = 9
 )
 
 // Enum value maps for RewardStatus.
@@ -125,6 +128,7 @@ var (
 		6: "REWARD_STATUS_SESSION_ABORTED",
 		7: "REWARD_STATUS_GROUP_CLOSED",
 		8: "REWARD_STATUS_INVALID_VERSIONS",
+		9: "REWARD_STATUS_WRONG_SHARD",
 	}
 	RewardStatus_value = map[string]int32{
 		"REWARD_STATUS_UNSPECIFIED":      0,
@@ -136,6 +140,7 @@ var (
 		"REWARD_STATUS_SESSION_ABORTED":  6,
 		"REWARD_STATUS_GROUP_CLOSED":     7,
 		"REWARD_STATUS_INVALID_VERSIONS": 8,
+		"REWARD_STATUS_WRONG_SHARD":      9,
 	}
 )
 
@@ -170,9 +175,11 @@ type StartSessionRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The task (prompt) the session answers. Required.
 	TaskId string `protobuf:"bytes,1,opt,name=task_id,json=taskId,proto3" json:"task_id,omitempty"`
-	// The group to join or create. Unset: the router makes a new group and returns its id.
-	// Set: the group with that id is joined, or created if unknown. Set but empty is
-	// INVALID_ARGUMENT.
+	// The group to join or create. Unset: the router makes a new group and returns its id
+	// (a sharded router makes an id that it owns itself). Set: the group with that id is
+	// joined, or created if unknown. Set but empty is INVALID_ARGUMENT. Sharded routers: the
+	// owner is shard_of(group_id, N) = ((crc32(utf8(group_id)) >> 16) & 0x7fff) % N (see the
+	// service comment); another shard answers FAILED_PRECONDITION WRONG_SHARD.
 	GroupId *string `protobuf:"bytes,2,opt,name=group_id,json=groupId,proto3,oneof" json:"group_id,omitempty"`
 	// Members the group expects. When the call creates the group: 0 means 1. When it joins
 	// one: 0 means "the group's size", any other value must equal it.
@@ -378,8 +385,10 @@ type StartGroupRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The task (prompt) every member answers. Required.
 	TaskId string `protobuf:"bytes,1,opt,name=task_id,json=taskId,proto3" json:"task_id,omitempty"`
-	// The id of the new group; unset makes one up. An existing id is ALREADY_EXISTS (unless
-	// this is a retry with the same request_id).
+	// The id of the new group; unset makes one up (on a sharded router, one it owns). An
+	// existing id is ALREADY_EXISTS (unless this is a retry with the same request_id).
+	// Sharded routers: owned by shard_of(group_id, N) = ((crc32(utf8(group_id)) >> 16) &
+	// 0x7fff) % N; another shard answers FAILED_PRECONDITION WRONG_SHARD.
 	GroupId *string `protobuf:"bytes,2,opt,name=group_id,json=groupId,proto3,oneof" json:"group_id,omitempty"`
 	// Members to start; 1 to 1024. Required.
 	GroupSize uint32 `protobuf:"varint,3,opt,name=group_size,json=groupSize,proto3" json:"group_size,omitempty"`
@@ -1242,7 +1251,12 @@ type RewardResult struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Status RewardStatus           `protobuf:"varint,1,opt,name=status,proto3,enum=sessionrouter.v1.RewardStatus" json:"status,omitempty"`
 	// Human-readable explanation for statuses other than ACCEPTED; empty otherwise.
-	Detail        string `protobuf:"bytes,2,opt,name=detail,proto3" json:"detail,omitempty"`
+	Detail string `protobuf:"bytes,2,opt,name=detail,proto3" json:"detail,omitempty"`
+	// REWARD_STATUS_WRONG_SHARD: the shard that owns the session's group.
+	OwnerShard *uint32 `protobuf:"varint,90,opt,name=owner_shard,json=ownerShard,proto3,oneof" json:"owner_shard,omitempty"`
+	// REWARD_STATUS_WRONG_SHARD: that shard's advertised address, when the shard registry
+	// knows it; empty otherwise.
+	OwnerAddress  string `protobuf:"bytes,91,opt,name=owner_address,json=ownerAddress,proto3" json:"owner_address,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1287,6 +1301,20 @@ func (x *RewardResult) GetStatus() RewardStatus {
 func (x *RewardResult) GetDetail() string {
 	if x != nil {
 		return x.Detail
+	}
+	return ""
+}
+
+func (x *RewardResult) GetOwnerShard() uint32 {
+	if x != nil && x.OwnerShard != nil {
+		return *x.OwnerShard
+	}
+	return 0
+}
+
+func (x *RewardResult) GetOwnerAddress() string {
+	if x != nil {
+		return x.OwnerAddress
 	}
 	return ""
 }
@@ -2003,10 +2031,14 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"\aentries\x18\x01 \x03(\v2\x1d.sessionrouter.v1.RewardEntryR\aentries\x12\x1a\n" +
 	"\bsequence\x18\x02 \x01(\x04R\bsequence\x129\n" +
 	"\acolumns\x18F \x01(\v2\x1f.sessionrouter.v1.RewardColumnsR\acolumns\x12)\n" +
-	"\x10columnar_results\x18G \x01(\bR\x0fcolumnarResults\"^\n" +
+	"\x10columnar_results\x18G \x01(\bR\x0fcolumnarResults\"\xb9\x01\n" +
 	"\fRewardResult\x126\n" +
 	"\x06status\x18\x01 \x01(\x0e2\x1e.sessionrouter.v1.RewardStatusR\x06status\x12\x16\n" +
-	"\x06detail\x18\x02 \x01(\tR\x06detail\"\xde\x01\n" +
+	"\x06detail\x18\x02 \x01(\tR\x06detail\x12$\n" +
+	"\vowner_shard\x18Z \x01(\rH\x00R\n" +
+	"ownerShard\x88\x01\x01\x12#\n" +
+	"\rowner_address\x18[ \x01(\tR\fownerAddressB\x0e\n" +
+	"\f_owner_shard\"\xde\x01\n" +
 	"\tRewardAck\x12\x1a\n" +
 	"\bsequence\x18\x01 \x01(\x04R\bsequence\x128\n" +
 	"\aresults\x18\x02 \x03(\v2\x1e.sessionrouter.v1.RewardResultR\aresults\x12:\n" +
@@ -2054,7 +2086,7 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"\x1aPLACEMENT_MODE_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15PLACEMENT_MODE_SPREAD\x10\x01\x12\x19\n" +
 	"\x15PLACEMENT_MODE_STRICT\x10\x02\x12\x17\n" +
-	"\x13PLACEMENT_MODE_PACK\x10\x03*\xaa\x02\n" +
+	"\x13PLACEMENT_MODE_PACK\x10\x03*\xc9\x02\n" +
 	"\fRewardStatus\x12\x1d\n" +
 	"\x19REWARD_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n" +
 	"\x16REWARD_STATUS_ACCEPTED\x10\x01\x12\x1b\n" +
@@ -2064,7 +2096,8 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"\x18REWARD_STATUS_NOT_FINITE\x10\x05\x12!\n" +
 	"\x1dREWARD_STATUS_SESSION_ABORTED\x10\x06\x12\x1e\n" +
 	"\x1aREWARD_STATUS_GROUP_CLOSED\x10\a\x12\"\n" +
-	"\x1eREWARD_STATUS_INVALID_VERSIONS\x10\b2\xcc\a\n" +
+	"\x1eREWARD_STATUS_INVALID_VERSIONS\x10\b\x12\x1d\n" +
+	"\x19REWARD_STATUS_WRONG_SHARD\x10\t2\xcc\a\n" +
 	"\x0eSessionService\x12]\n" +
 	"\fStartSession\x12%.sessionrouter.v1.StartSessionRequest\x1a&.sessionrouter.v1.StartSessionResponse\x12W\n" +
 	"\n" +
@@ -2202,6 +2235,7 @@ func file_sessionrouter_v1_session_service_proto_init() {
 	file_sessionrouter_v1_session_service_proto_msgTypes[0].OneofWrappers = []any{}
 	file_sessionrouter_v1_session_service_proto_msgTypes[2].OneofWrappers = []any{}
 	file_sessionrouter_v1_session_service_proto_msgTypes[12].OneofWrappers = []any{}
+	file_sessionrouter_v1_session_service_proto_msgTypes[15].OneofWrappers = []any{}
 	file_sessionrouter_v1_session_service_proto_msgTypes[21].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{

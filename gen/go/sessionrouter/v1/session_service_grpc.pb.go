@@ -66,6 +66,21 @@ const (
 // nginx, grpc_read_timeout): a stream the proxy resets arrives as INTERNAL without status
 // details (RST_STREAM). Clients treat that like UNAVAILABLE where retrying is safe: feed
 // streams resume by cursor, starts carry a request_id, and rewards are idempotent.
+//
+// Shards: a router may run as N fixed shards (`--shard i/N`). Shard i owns exactly the groups
+// with shard_of(group_id, N) == i, where
+//
+//	shard_of(group_id, N) = ((crc32(utf8(group_id)) >> 16) & 0x7fff) % N
+//
+// and crc32 is the zlib / IEEE 802.3 checksum (nginx's plain `hash $key`, not `consistent`,
+// over the N shard addresses in shard order computes the same). Every call naming a group
+// (by group_id or by a session name `groups/{group_id}/sessions/{i}`) must go to its owner:
+// another shard answers FAILED_PRECONDITION, ErrorInfo reason WRONG_SHARD, metadata
+// `owner_shard`, `shard_count` and `owner_address` when known. A request header `x-group-id`
+// that disagrees with the group the request names is INVALID_ARGUMENT,
+// GROUP_HEADER_MISMATCH (metadata `header_group_id` and `group_id`). A call for another
+// shard's group while the shard count of the running shards disagrees is FAILED_PRECONDITION
+// SHARD_COUNT_MISMATCH.
 type SessionServiceClient interface {
 	// Starts one session and places it on a worker. Without group_id a new group is made; with
 	// a known group_id the session joins that group; with an unknown group_id a group with
@@ -98,6 +113,9 @@ type SessionServiceClient interface {
 	// oldest retained group for after_cursor 0), so a client that asked from_latest resumes
 	// from there after a disconnect instead of skipping the groups it missed. A draining router
 	// ends the stream with UNAVAILABLE (SHUTTING_DOWN, metadata `cursor`: the last cursor sent).
+	// Sharded routers: every shard serves the same merged feed of all shards (from NATS
+	// JetStream), and cursors are the stream's sequence; while NATS is unreachable the stream
+	// ends with UNAVAILABLE (NATS_UNAVAILABLE, metadata `cursor`): resume after that cursor.
 	SubscribeGroups(ctx context.Context, in *SubscribeGroupsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[SubscribeGroupsResponse], error)
 	// Sets the trainer's policy version and, optionally, its staleness policy. The trainer
 	// reports its version with an RPC of its own rather than on the feed because the feed has
@@ -264,6 +282,21 @@ func (c *sessionServiceClient) GetTrainerState(ctx context.Context, in *GetTrain
 // nginx, grpc_read_timeout): a stream the proxy resets arrives as INTERNAL without status
 // details (RST_STREAM). Clients treat that like UNAVAILABLE where retrying is safe: feed
 // streams resume by cursor, starts carry a request_id, and rewards are idempotent.
+//
+// Shards: a router may run as N fixed shards (`--shard i/N`). Shard i owns exactly the groups
+// with shard_of(group_id, N) == i, where
+//
+//	shard_of(group_id, N) = ((crc32(utf8(group_id)) >> 16) & 0x7fff) % N
+//
+// and crc32 is the zlib / IEEE 802.3 checksum (nginx's plain `hash $key`, not `consistent`,
+// over the N shard addresses in shard order computes the same). Every call naming a group
+// (by group_id or by a session name `groups/{group_id}/sessions/{i}`) must go to its owner:
+// another shard answers FAILED_PRECONDITION, ErrorInfo reason WRONG_SHARD, metadata
+// `owner_shard`, `shard_count` and `owner_address` when known. A request header `x-group-id`
+// that disagrees with the group the request names is INVALID_ARGUMENT,
+// GROUP_HEADER_MISMATCH (metadata `header_group_id` and `group_id`). A call for another
+// shard's group while the shard count of the running shards disagrees is FAILED_PRECONDITION
+// SHARD_COUNT_MISMATCH.
 type SessionServiceServer interface {
 	// Starts one session and places it on a worker. Without group_id a new group is made; with
 	// a known group_id the session joins that group; with an unknown group_id a group with
@@ -296,6 +329,9 @@ type SessionServiceServer interface {
 	// oldest retained group for after_cursor 0), so a client that asked from_latest resumes
 	// from there after a disconnect instead of skipping the groups it missed. A draining router
 	// ends the stream with UNAVAILABLE (SHUTTING_DOWN, metadata `cursor`: the last cursor sent).
+	// Sharded routers: every shard serves the same merged feed of all shards (from NATS
+	// JetStream), and cursors are the stream's sequence; while NATS is unreachable the stream
+	// ends with UNAVAILABLE (NATS_UNAVAILABLE, metadata `cursor`): resume after that cursor.
 	SubscribeGroups(*SubscribeGroupsRequest, grpc.ServerStreamingServer[SubscribeGroupsResponse]) error
 	// Sets the trainer's policy version and, optionally, its staleness policy. The trainer
 	// reports its version with an RPC of its own rather than on the feed because the feed has

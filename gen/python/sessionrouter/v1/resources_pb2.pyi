@@ -201,6 +201,8 @@ class Worker(_message.Message):
     LAST_HEARTBEAT_TIME_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     UPDATING_TO_VERSION_FIELD_NUMBER: _builtins.int
+    SHARD_CAPACITY_FIELD_NUMBER: _builtins.int
+    CLUSTER_OPEN_SESSIONS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Caller-chosen stable identifier of the worker, unique within the router."""
     address: _builtins.str
@@ -222,6 +224,16 @@ class Worker(_message.Message):
     """Non-zero while the worker is in a weight update to this version (BeginWeightUpdate): it
     takes no new sessions until CompleteWeightUpdate, or a heartbeat reporting this version
     or a newer one, puts it back.
+    """
+    shard_capacity: _builtins.int
+    """Sharded routers only (0 otherwise): the slots of `capacity` that the answering shard
+    may fill. Each of N shards gets capacity / N, and capacity % N of them one more, by a
+    rotation keyed on the worker id, so the shards' shares add up to `capacity` exactly.
+    """
+    cluster_open_sessions: _builtins.int
+    """Sharded routers only: open sessions on this worker summed over every shard, as the
+    shards last published them (about a second old); `open_sessions` is the answering
+    shard's own.
     """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -246,10 +258,12 @@ class Worker(_message.Message):
         last_heartbeat_time: _timestamp_pb2.Timestamp | None = ...,
         policy_version: _builtins.int = ...,
         updating_to_version: _builtins.int = ...,
+        shard_capacity: _builtins.int = ...,
+        cluster_open_sessions: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_heartbeat_time", b"last_heartbeat_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity", b"capacity", "draining", b"draining", "health", b"health", "labels", b"labels", "last_heartbeat_time", b"last_heartbeat_time", "open_sessions", b"open_sessions", "policy_version", b"policy_version", "updating_to_version", b"updating_to_version", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity", b"capacity", "cluster_open_sessions", b"cluster_open_sessions", "draining", b"draining", "health", b"health", "labels", b"labels", "last_heartbeat_time", b"last_heartbeat_time", "open_sessions", b"open_sessions", "policy_version", b"policy_version", "shard_capacity", b"shard_capacity", "updating_to_version", b"updating_to_version", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -656,8 +670,13 @@ class GroupResult(_message.Message):
     MAX_VERSION_FIELD_NUMBER: _builtins.int
     TRAINER_VERSION_FIELD_NUMBER: _builtins.int
     ADMITTED_TRAINER_VERSION_FIELD_NUMBER: _builtins.int
+    SHARD_FIELD_NUMBER: _builtins.int
     cursor: _builtins.int
-    """Position on the completed-group feed: strictly increasing, starting at 1, no gaps."""
+    """Position on the completed-group feed: strictly increasing, starting at 1, no gaps. On a
+    sharded router the feed of SubscribeGroups is the merged feed of every shard and the
+    cursor is its JetStream stream sequence (one sequence across shards); the result on a
+    SubmitRewards stream and Group.cursor carry the owning shard's own cursor.
+    """
     group_id: _builtins.str
     task_id: _builtins.str
     outcome: Global___GroupOutcome.ValueType
@@ -684,6 +703,8 @@ class GroupResult(_message.Message):
     """The trainer's version (SetTrainerState) when the group was finalized."""
     admitted_trainer_version: _builtins.int
     """The trainer's version when the group was admitted (Group.admitted_trainer_version)."""
+    shard: _builtins.int
+    """Sharded routers: the shard that owns the group (0 for a single router)."""
     @_builtins.property
     def sessions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Names of the sessions that count, in index order."""
@@ -741,10 +762,11 @@ class GroupResult(_message.Message):
         max_version: _builtins.int = ...,
         trainer_version: _builtins.int = ...,
         admitted_trainer_version: _builtins.int = ...,
+        shard: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["estimator", b"estimator", "finalize_time", b"finalize_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted_trainer_version", b"admitted_trainer_version", "advantages", b"advantages", "cursor", b"cursor", "degenerate", b"degenerate", "estimator", b"estimator", "excluded_sessions", b"excluded_sessions", "filter_metrics", b"filter_metrics", "finalize_time", b"finalize_time", "group_id", b"group_id", "group_size", b"group_size", "max_version", b"max_version", "mean", b"mean", "min_version", b"min_version", "outcome", b"outcome", "replaced_sessions", b"replaced_sessions", "rewards", b"rewards", "sessions", b"sessions", "std", b"std", "task_id", b"task_id", "trainer_version", b"trainer_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted_trainer_version", b"admitted_trainer_version", "advantages", b"advantages", "cursor", b"cursor", "degenerate", b"degenerate", "estimator", b"estimator", "excluded_sessions", b"excluded_sessions", "filter_metrics", b"filter_metrics", "finalize_time", b"finalize_time", "group_id", b"group_id", "group_size", b"group_size", "max_version", b"max_version", "mean", b"mean", "min_version", b"min_version", "outcome", b"outcome", "replaced_sessions", b"replaced_sessions", "rewards", b"rewards", "sessions", b"sessions", "shard", b"shard", "std", b"std", "task_id", b"task_id", "trainer_version", b"trainer_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -96,6 +96,10 @@ class _RewardStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RewardSt
     """The session's group was already finalized or dropped without it: refused."""
     REWARD_STATUS_INVALID_VERSIONS: _RewardStatus.ValueType  # 8
     """min_version above max_version: refused."""
+    REWARD_STATUS_WRONG_SHARD: _RewardStatus.ValueType  # 9
+    """Sharded routers: the session's group belongs to another shard (RewardResult.owner_shard
+    and owner_address say which): refused here, send the entry there.
+    """
 
 class RewardStatus(_RewardStatus, metaclass=_RewardStatusEnumTypeWrapper):
     """What happened to one reward entry."""
@@ -120,6 +124,10 @@ REWARD_STATUS_GROUP_CLOSED: RewardStatus.ValueType  # 7
 """The session's group was already finalized or dropped without it: refused."""
 REWARD_STATUS_INVALID_VERSIONS: RewardStatus.ValueType  # 8
 """min_version above max_version: refused."""
+REWARD_STATUS_WRONG_SHARD: RewardStatus.ValueType  # 9
+"""Sharded routers: the session's group belongs to another shard (RewardResult.owner_shard
+and owner_address say which): refused here, send the entry there.
+"""
 Global___RewardStatus: _TypeAlias = RewardStatus  # noqa: Y015
 
 @_typing.final
@@ -157,9 +165,11 @@ class StartSessionRequest(_message.Message):
     task_id: _builtins.str
     """The task (prompt) the session answers. Required."""
     group_id: _builtins.str
-    """The group to join or create. Unset: the router makes a new group and returns its id.
-    Set: the group with that id is joined, or created if unknown. Set but empty is
-    INVALID_ARGUMENT.
+    """The group to join or create. Unset: the router makes a new group and returns its id
+    (a sharded router makes an id that it owns itself). Set: the group with that id is
+    joined, or created if unknown. Set but empty is INVALID_ARGUMENT. Sharded routers: the
+    owner is shard_of(group_id, N) = ((crc32(utf8(group_id)) >> 16) & 0x7fff) % N (see the
+    service comment); another shard answers FAILED_PRECONDITION WRONG_SHARD.
     """
     group_size: _builtins.int
     """Members the group expects. When the call creates the group: 0 means 1. When it joins
@@ -289,8 +299,10 @@ class StartGroupRequest(_message.Message):
     task_id: _builtins.str
     """The task (prompt) every member answers. Required."""
     group_id: _builtins.str
-    """The id of the new group; unset makes one up. An existing id is ALREADY_EXISTS (unless
-    this is a retry with the same request_id).
+    """The id of the new group; unset makes one up (on a sharded router, one it owns). An
+    existing id is ALREADY_EXISTS (unless this is a retry with the same request_id).
+    Sharded routers: owned by shard_of(group_id, N) = ((crc32(utf8(group_id)) >> 16) &
+    0x7fff) % N; another shard answers FAILED_PRECONDITION WRONG_SHARD.
     """
     group_size: _builtins.int
     """Members to start; 1 to 1024. Required."""
@@ -718,20 +730,32 @@ class RewardResult(_message.Message):
 
     STATUS_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    OWNER_SHARD_FIELD_NUMBER: _builtins.int
+    OWNER_ADDRESS_FIELD_NUMBER: _builtins.int
     status: Global___RewardStatus.ValueType
     detail: _builtins.str
     """Human-readable explanation for statuses other than ACCEPTED; empty otherwise."""
+    owner_shard: _builtins.int
+    """REWARD_STATUS_WRONG_SHARD: the shard that owns the session's group."""
+    owner_address: _builtins.str
+    """REWARD_STATUS_WRONG_SHARD: that shard's advertised address, when the shard registry
+    knows it; empty otherwise.
+    """
     def __init__(
         self,
         *,
         status: Global___RewardStatus.ValueType = ...,
         detail: _builtins.str = ...,
+        owner_shard: _builtins.int | None = ...,
+        owner_address: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_owner_shard", b"_owner_shard", "owner_shard", b"owner_shard"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_owner_shard", b"_owner_shard", "detail", b"detail", "owner_address", b"owner_address", "owner_shard", b"owner_shard", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__owner_shard: _TypeAlias = _typing.Literal["owner_shard"]  # noqa: Y015
+    _WhichOneofArgType__owner_shard: _TypeAlias = _typing.Literal["_owner_shard", b"_owner_shard"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__owner_shard) -> _WhichOneofReturnType__owner_shard | None: ...
 
 Global___RewardResult: _TypeAlias = RewardResult  # noqa: Y015
 

@@ -60,6 +60,19 @@ class SessionServiceStub(object):
     nginx, grpc_read_timeout): a stream the proxy resets arrives as INTERNAL without status
     details (RST_STREAM). Clients treat that like UNAVAILABLE where retrying is safe: feed
     streams resume by cursor, starts carry a request_id, and rewards are idempotent.
+
+    Shards: a router may run as N fixed shards (`--shard i/N`). Shard i owns exactly the groups
+    with shard_of(group_id, N) == i, where
+    shard_of(group_id, N) = ((crc32(utf8(group_id)) >> 16) & 0x7fff) % N
+    and crc32 is the zlib / IEEE 802.3 checksum (nginx's plain `hash $key`, not `consistent`,
+    over the N shard addresses in shard order computes the same). Every call naming a group
+    (by group_id or by a session name `groups/{group_id}/sessions/{i}`) must go to its owner:
+    another shard answers FAILED_PRECONDITION, ErrorInfo reason WRONG_SHARD, metadata
+    `owner_shard`, `shard_count` and `owner_address` when known. A request header `x-group-id`
+    that disagrees with the group the request names is INVALID_ARGUMENT,
+    GROUP_HEADER_MISMATCH (metadata `header_group_id` and `group_id`). A call for another
+    shard's group while the shard count of the running shards disagrees is FAILED_PRECONDITION
+    SHARD_COUNT_MISMATCH.
     """
 
     def __init__(self, channel):
@@ -150,6 +163,19 @@ class SessionServiceServicer(object):
     nginx, grpc_read_timeout): a stream the proxy resets arrives as INTERNAL without status
     details (RST_STREAM). Clients treat that like UNAVAILABLE where retrying is safe: feed
     streams resume by cursor, starts carry a request_id, and rewards are idempotent.
+
+    Shards: a router may run as N fixed shards (`--shard i/N`). Shard i owns exactly the groups
+    with shard_of(group_id, N) == i, where
+    shard_of(group_id, N) = ((crc32(utf8(group_id)) >> 16) & 0x7fff) % N
+    and crc32 is the zlib / IEEE 802.3 checksum (nginx's plain `hash $key`, not `consistent`,
+    over the N shard addresses in shard order computes the same). Every call naming a group
+    (by group_id or by a session name `groups/{group_id}/sessions/{i}`) must go to its owner:
+    another shard answers FAILED_PRECONDITION, ErrorInfo reason WRONG_SHARD, metadata
+    `owner_shard`, `shard_count` and `owner_address` when known. A request header `x-group-id`
+    that disagrees with the group the request names is INVALID_ARGUMENT,
+    GROUP_HEADER_MISMATCH (metadata `header_group_id` and `group_id`). A call for another
+    shard's group while the shard count of the running shards disagrees is FAILED_PRECONDITION
+    SHARD_COUNT_MISMATCH.
     """
 
     def StartSession(self, request, context):
@@ -219,6 +245,9 @@ class SessionServiceServicer(object):
         oldest retained group for after_cursor 0), so a client that asked from_latest resumes
         from there after a disconnect instead of skipping the groups it missed. A draining router
         ends the stream with UNAVAILABLE (SHUTTING_DOWN, metadata `cursor`: the last cursor sent).
+        Sharded routers: every shard serves the same merged feed of all shards (from NATS
+        JetStream), and cursors are the stream's sequence; while NATS is unreachable the stream
+        ends with UNAVAILABLE (NATS_UNAVAILABLE, metadata `cursor`): resume after that cursor.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -335,6 +364,19 @@ class SessionService(object):
     nginx, grpc_read_timeout): a stream the proxy resets arrives as INTERNAL without status
     details (RST_STREAM). Clients treat that like UNAVAILABLE where retrying is safe: feed
     streams resume by cursor, starts carry a request_id, and rewards are idempotent.
+
+    Shards: a router may run as N fixed shards (`--shard i/N`). Shard i owns exactly the groups
+    with shard_of(group_id, N) == i, where
+    shard_of(group_id, N) = ((crc32(utf8(group_id)) >> 16) & 0x7fff) % N
+    and crc32 is the zlib / IEEE 802.3 checksum (nginx's plain `hash $key`, not `consistent`,
+    over the N shard addresses in shard order computes the same). Every call naming a group
+    (by group_id or by a session name `groups/{group_id}/sessions/{i}`) must go to its owner:
+    another shard answers FAILED_PRECONDITION, ErrorInfo reason WRONG_SHARD, metadata
+    `owner_shard`, `shard_count` and `owner_address` when known. A request header `x-group-id`
+    that disagrees with the group the request names is INVALID_ARGUMENT,
+    GROUP_HEADER_MISMATCH (metadata `header_group_id` and `group_id`). A call for another
+    shard's group while the shard count of the running shards disagrees is FAILED_PRECONDITION
+    SHARD_COUNT_MISMATCH.
     """
 
     @staticmethod

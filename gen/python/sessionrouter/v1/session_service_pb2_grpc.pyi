@@ -56,6 +56,19 @@ class SessionServiceStub:
     nginx, grpc_read_timeout): a stream the proxy resets arrives as INTERNAL without status
     details (RST_STREAM). Clients treat that like UNAVAILABLE where retrying is safe: feed
     streams resume by cursor, starts carry a request_id, and rewards are idempotent.
+
+    Shards: a router may run as N fixed shards (`--shard i/N`). Shard i owns exactly the groups
+    with shard_of(group_id, N) == i, where
+      shard_of(group_id, N) = ((crc32(utf8(group_id)) >> 16) & 0x7fff) % N
+    and crc32 is the zlib / IEEE 802.3 checksum (nginx's plain `hash $key`, not `consistent`,
+    over the N shard addresses in shard order computes the same). Every call naming a group
+    (by group_id or by a session name `groups/{group_id}/sessions/{i}`) must go to its owner:
+    another shard answers FAILED_PRECONDITION, ErrorInfo reason WRONG_SHARD, metadata
+    `owner_shard`, `shard_count` and `owner_address` when known. A request header `x-group-id`
+    that disagrees with the group the request names is INVALID_ARGUMENT,
+    GROUP_HEADER_MISMATCH (metadata `header_group_id` and `group_id`). A call for another
+    shard's group while the shard count of the running shards disagrees is FAILED_PRECONDITION
+    SHARD_COUNT_MISMATCH.
     """
 
     @_typing.overload
@@ -96,6 +109,9 @@ class SessionServiceStub:
     oldest retained group for after_cursor 0), so a client that asked from_latest resumes
     from there after a disconnect instead of skipping the groups it missed. A draining router
     ends the stream with UNAVAILABLE (SHUTTING_DOWN, metadata `cursor`: the last cursor sent).
+    Sharded routers: every shard serves the same merged feed of all shards (from NATS
+    JetStream), and cursors are the stream's sequence; while NATS is unreachable the stream
+    ends with UNAVAILABLE (NATS_UNAVAILABLE, metadata `cursor`): resume after that cursor.
     """
     SetTrainerState: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.SetTrainerStateRequest, _session_service_pb2.SetTrainerStateResponse]
     """Sets the trainer's policy version and, optionally, its staleness policy. The trainer
@@ -140,6 +156,19 @@ class SessionServiceAsyncStub(SessionServiceStub):
     nginx, grpc_read_timeout): a stream the proxy resets arrives as INTERNAL without status
     details (RST_STREAM). Clients treat that like UNAVAILABLE where retrying is safe: feed
     streams resume by cursor, starts carry a request_id, and rewards are idempotent.
+
+    Shards: a router may run as N fixed shards (`--shard i/N`). Shard i owns exactly the groups
+    with shard_of(group_id, N) == i, where
+      shard_of(group_id, N) = ((crc32(utf8(group_id)) >> 16) & 0x7fff) % N
+    and crc32 is the zlib / IEEE 802.3 checksum (nginx's plain `hash $key`, not `consistent`,
+    over the N shard addresses in shard order computes the same). Every call naming a group
+    (by group_id or by a session name `groups/{group_id}/sessions/{i}`) must go to its owner:
+    another shard answers FAILED_PRECONDITION, ErrorInfo reason WRONG_SHARD, metadata
+    `owner_shard`, `shard_count` and `owner_address` when known. A request header `x-group-id`
+    that disagrees with the group the request names is INVALID_ARGUMENT,
+    GROUP_HEADER_MISMATCH (metadata `header_group_id` and `group_id`). A call for another
+    shard's group while the shard count of the running shards disagrees is FAILED_PRECONDITION
+    SHARD_COUNT_MISMATCH.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -177,6 +206,9 @@ class SessionServiceAsyncStub(SessionServiceStub):
     oldest retained group for after_cursor 0), so a client that asked from_latest resumes
     from there after a disconnect instead of skipping the groups it missed. A draining router
     ends the stream with UNAVAILABLE (SHUTTING_DOWN, metadata `cursor`: the last cursor sent).
+    Sharded routers: every shard serves the same merged feed of all shards (from NATS
+    JetStream), and cursors are the stream's sequence; while NATS is unreachable the stream
+    ends with UNAVAILABLE (NATS_UNAVAILABLE, metadata `cursor`): resume after that cursor.
     """
     SetTrainerState: _aio.UnaryUnaryMultiCallable[_session_service_pb2.SetTrainerStateRequest, _session_service_pb2.SetTrainerStateResponse]  # type: ignore[assignment]
     """Sets the trainer's policy version and, optionally, its staleness policy. The trainer
@@ -220,6 +252,19 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
     nginx, grpc_read_timeout): a stream the proxy resets arrives as INTERNAL without status
     details (RST_STREAM). Clients treat that like UNAVAILABLE where retrying is safe: feed
     streams resume by cursor, starts carry a request_id, and rewards are idempotent.
+
+    Shards: a router may run as N fixed shards (`--shard i/N`). Shard i owns exactly the groups
+    with shard_of(group_id, N) == i, where
+      shard_of(group_id, N) = ((crc32(utf8(group_id)) >> 16) & 0x7fff) % N
+    and crc32 is the zlib / IEEE 802.3 checksum (nginx's plain `hash $key`, not `consistent`,
+    over the N shard addresses in shard order computes the same). Every call naming a group
+    (by group_id or by a session name `groups/{group_id}/sessions/{i}`) must go to its owner:
+    another shard answers FAILED_PRECONDITION, ErrorInfo reason WRONG_SHARD, metadata
+    `owner_shard`, `shard_count` and `owner_address` when known. A request header `x-group-id`
+    that disagrees with the group the request names is INVALID_ARGUMENT,
+    GROUP_HEADER_MISMATCH (metadata `header_group_id` and `group_id`). A call for another
+    shard's group while the shard count of the running shards disagrees is FAILED_PRECONDITION
+    SHARD_COUNT_MISMATCH.
     """
 
     @_abc_1.abstractmethod
@@ -303,6 +348,9 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         oldest retained group for after_cursor 0), so a client that asked from_latest resumes
         from there after a disconnect instead of skipping the groups it missed. A draining router
         ends the stream with UNAVAILABLE (SHUTTING_DOWN, metadata `cursor`: the last cursor sent).
+        Sharded routers: every shard serves the same merged feed of all shards (from NATS
+        JetStream), and cursors are the stream's sequence; while NATS is unreachable the stream
+        ends with UNAVAILABLE (NATS_UNAVAILABLE, metadata `cursor`): resume after that cursor.
         """
 
     @_abc_1.abstractmethod

@@ -25,12 +25,18 @@ class RewardStatus(enum.Enum):
     """The group was finalized or dropped without this session."""
     INVALID_VERSIONS = "invalid_versions"
     """min_version above max_version."""
+    WRONG_SHARD = "wrong_shard"
+    """The session's group belongs to another shard (sharded routers): send it there."""
 
 
 @dataclass(frozen=True, slots=True)
 class RewardOutcome:
     status: RewardStatus
     detail: str = ""
+    owner_shard: int | None = None
+    """WRONG_SHARD: the shard that owns the session's group."""
+    owner_address: str = ""
+    """WRONG_SHARD: that shard's advertised address, when known."""
 
 
 ACCEPTED = RewardOutcome(RewardStatus.ACCEPTED)
@@ -45,6 +51,7 @@ STATUS_CODES: dict[RewardStatus, int] = {
     RewardStatus.SESSION_ABORTED: 6,
     RewardStatus.GROUP_CLOSED: 7,
     RewardStatus.INVALID_VERSIONS: 8,
+    RewardStatus.WRONG_SHARD: 9,
 }
 """Each status as a small integer, the form a batch keeps its statuses in (one byte per
 entry). The numbers are the contract's (``RewardStatus`` in the proto), so the transport
@@ -93,6 +100,9 @@ class BatchOutcome:
     detail_entries: list[int]
     details: list[str]
     columnar: bool = False
+    owners: dict[int, tuple[int, str]] | None = None
+    """WRONG_SHARD entries (sharded routers): entry index -> (owner shard, its address or
+    ""). None when no entry of the batch is another shard's."""
 
     def __len__(self) -> int:
         return len(self.codes)
@@ -100,12 +110,15 @@ class BatchOutcome:
     def outcomes(self) -> list[RewardOutcome]:
         """One RewardOutcome per entry (the message form, and tests)."""
         found = dict(zip(self.detail_entries, self.details, strict=True))
-        return [
-            ACCEPTED
-            if code == ACCEPTED_CODE
-            else RewardOutcome(STATUS_OF_CODE[code], found.get(i, ""))
-            for i, code in enumerate(self.codes)
-        ]
+        owners = self.owners or {}
+        outcomes = []
+        for i, code in enumerate(self.codes):
+            if code == ACCEPTED_CODE:
+                outcomes.append(ACCEPTED)
+                continue
+            shard, address = owners.get(i, (None, ""))
+            outcomes.append(RewardOutcome(STATUS_OF_CODE[code], found.get(i, ""), shard, address))
+        return outcomes
 
     def counts(self) -> dict[RewardStatus, int]:
         """How many entries got each status (only those that occur): one count per status

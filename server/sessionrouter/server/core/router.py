@@ -139,6 +139,7 @@ _NOT_FINITE = STATUS_CODES[RewardStatus.NOT_FINITE]
 _GROUP_CLOSED = STATUS_CODES[RewardStatus.GROUP_CLOSED]
 _INVALID_VERSIONS = STATUS_CODES[RewardStatus.INVALID_VERSIONS]
 _UNKNOWN_SESSION = STATUS_CODES[RewardStatus.UNKNOWN_SESSION]
+_WRONG_SHARD = STATUS_CODES[RewardStatus.WRONG_SHARD]
 
 
 def _not_finite_detail(reward: float, metric: float | None) -> str:
@@ -217,6 +218,11 @@ class SessionRouter:
         self.weight_update: WeightUpdate | None = None
         """The weight update in progress, if any (its workers have ``updating_to`` set)."""
         self._admission_changed = asyncio.Event()
+        self.new_group_id: Callable[[], str] = _random_group_id
+        """Makes the id of a group started without one (a sharded router mints ids it owns)."""
+        self.foreign_reward: Callable[[str], RewardOutcome | None] | None = None
+        """For a reward entry naming a group this router does not hold: the outcome when the
+        group is another shard's (WRONG_SHARD), None to answer UNKNOWN_SESSION."""
 
     # -- the router's life -----------------------------------------------------------------
 
@@ -582,7 +588,7 @@ class SessionRouter:
             self._check_room(size, task_id, metadata)
             settings = resolve_options(cmd.options, size, self.settings, cmd.placement_mode)
             self._check_admission()
-            group_id = cmd.group_id or uuid.uuid4().hex
+            group_id = cmd.group_id or self.new_group_id()
             group = self._new_group(group_id, task_id, size, settings)
             try:
                 session = self._place_member(group, request_id, metadata)
@@ -623,7 +629,9 @@ class SessionRouter:
         self._check_room(cmd.group_size, task_id, metadata)
         settings = resolve_options(cmd.options, cmd.group_size, self.settings, cmd.placement_mode)
         self._check_admission()
-        group = self._new_group(cmd.group_id or uuid.uuid4().hex, task_id, cmd.group_size, settings)
+        group = self._new_group(
+            cmd.group_id or self.new_group_id(), task_id, cmd.group_size, settings
+        )
         try:
             for _ in range(cmd.group_size):
                 self._place_member(group, request_id, metadata)
@@ -917,6 +925,7 @@ class SessionRouter:
         journal = self.journal
         release = self.workers.release_session
         lost_free: dict[int, bool] = {}
+        owners: dict[int, tuple[int, str]] = {}
         bound = MAX_REWARD_MAGNITUDE
         OPEN, REWARDED = SessionState.OPEN, SessionState.REWARDED  # noqa: N806
         for i in range(n):
@@ -939,9 +948,15 @@ class SessionRouter:
                     versions = (low, high)
             session = sessions[i]
             if session is None:
-                codes[i] = _UNKNOWN_SESSION
+                foreign = self._foreign(batch, i)
                 detail_entries.append(i)
-                details.append(unknown[i])
+                if foreign is None:
+                    codes[i] = _UNKNOWN_SESSION
+                    details.append(unknown[i])
+                else:
+                    codes[i] = _WRONG_SHARD
+                    details.append(foreign.detail)
+                    owners[i] = (foreign.owner_shard or 0, foreign.owner_address)
                 continue
             reward = rewards[i]
             metric = None
@@ -995,11 +1010,19 @@ class SessionRouter:
                     clean = lost_free[seq] = not any(s.worker_lost for s in group.members)
                 if not clean and group.stranded:
                     self._finish(group, origin)
-        outcome = BatchOutcome(codes, detail_entries, details, batch.columnar)
+        outcome = BatchOutcome(codes, detail_entries, details, batch.columnar, owners or None)
         counts = self.stats.rewards
         for status, count in outcome.counts().items():
             counts[status] += count
         return outcome
+
+    def _foreign(self, batch: RewardBatch, i: int) -> RewardOutcome | None:
+        """Entry i's WRONG_SHARD outcome when its name is a session of another shard's group
+        (sharded routers only; a handle is this router's own numbering, so it never is)."""
+        if self.foreign_reward is None or batch.names is None or not batch.names[i]:
+            return None
+        parsed = try_parse_session_name(batch.names[i])
+        return None if parsed is None else self.foreign_reward(parsed[0])
 
     def _resolve(self, batch: RewardBatch) -> tuple[list[SessionRecord | None], dict[int, str]]:
         """The session each entry names (by handle, by name, or both, which must agree), or
@@ -1153,3 +1176,7 @@ class SessionRouter:
             feed_cursor=self.feed.last_cursor,
             finalized_on_restore=len(rebuilt.settled),
         )
+
+
+def _random_group_id() -> str:
+    return uuid.uuid4().hex

@@ -1,0 +1,13 @@
+"""Sharded mode: N fixed routers that own their groups and share a pool and a feed via NATS.
+
+- ``identity``: which shard this is, ownership checks, minted group ids;
+- ``guard``: the interceptor that refuses calls about another shard's group;
+- ``link``: the NATS connection, the buckets and the feed stream;
+- ``registry``: who serves which shard, and the shard-count check;
+- ``pool`` and ``worker_service``: the shared worker pool and its capacity split;
+- ``publisher``: this shard's finished groups into the one feed stream;
+- ``merged_feed``: SubscribeGroups over that stream;
+- ``runtime``: starts and stops all of it with the server.
+
+Nothing here is imported by a single router beyond ``identity`` (no NATS dependency).
+"""

@@ -1,0 +1,149 @@
+"""Which shard this process is, and the checks every call naming a group goes through.
+
+A sharded router is N fixed processes (``--shard i/N``); shard ``i`` owns exactly the groups
+with ``shard_of(group_id, N) == i`` (``sessionrouter.client.shardmap``, nginx's plain
+``hash``), keeps them in its own journal and never serves another's. A call about a group this
+shard does not own is FAILED_PRECONDITION, reason ``WRONG_SHARD``, with ``owner_shard``,
+``shard_count`` and, once the owner registered in NATS, ``owner_address``; a proxy or client
+that sends ``x-group-id`` must send the group the request names (``GROUP_HEADER_MISMATCH``
+otherwise). The default ``0/1`` is the single process: every group is its own.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sessionrouter.client.shardmap import MAX_SHARDS, shard_of
+from sessionrouter.server.core.errors import FailedPrecondition, InvalidArgument
+from sessionrouter.server.core.rewards import RewardOutcome, RewardStatus
+
+GROUP_HEADER = "x-group-id"
+"""Request header a proxy routes on (nginx ``hash $http_x_group_id``)."""
+
+MINT_ATTEMPTS = 100_000
+"""Random ids tried before minting gives up; with N shards a try succeeds with chance 1/N,
+so for N up to 32768 running out is below 1e-1 and for N <= 1000 never happens in practice."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardIdentity:
+    """Shard ``index`` of ``count`` (0-based)."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.count <= MAX_SHARDS:
+            raise ValueError(f"shard count must be in [1, {MAX_SHARDS}], got {self.count}")
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"shard index must be in [0, {self.count}), got {self.index}")
+
+    @classmethod
+    def parse(cls, text: str) -> ShardIdentity:
+        """``i/N`` as given to ``--shard``; ValueError saying what is wrong."""
+        index_text, sep, count_text = text.partition("/")
+        try:
+            if not sep:
+                raise ValueError
+            index, count = int(index_text), int(count_text)
+        except ValueError:
+            raise ValueError(f"expected INDEX/COUNT such as 0/3, got {text!r}") from None
+        return cls(index, count)
+
+    @property
+    def sharded(self) -> bool:
+        return self.count > 1
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+    def owner(self, group_id: str) -> int:
+        return shard_of(group_id, self.count)
+
+    def owns(self, group_id: str) -> bool:
+        return self.count == 1 or shard_of(group_id, self.count) == self.index
+
+
+@dataclass(frozen=True, slots=True)
+class ShardConfig:
+    """What a sharded router needs beyond a single one (``--shard``, ``--nats-url``)."""
+
+    shard: ShardIdentity
+    nats_url: str
+    advertise: str = ""
+    """The address other shards and clients are told to reach this one at; empty: the
+    listen address with the bound port."""
+
+
+class Ownership:
+    """The checks of one shard; ``address_of`` gives a shard's advertised address ("" when
+    not known yet)."""
+
+    def __init__(self, shard: ShardIdentity, address_of: Callable[[int], str]) -> None:
+        self.shard = shard
+        self._address_of = address_of
+
+    def owner_details(self, group_id: str) -> dict[str, object]:
+        owner = self.shard.owner(group_id)
+        details: dict[str, object] = {
+            "group_id": group_id,
+            "owner_shard": owner,
+            "shard_count": self.shard.count,
+            "shard": self.shard.index,
+        }
+        address = self._address_of(owner)
+        if address:
+            details["owner_address"] = address
+        return details
+
+    def check_group(self, group_id: str) -> None:
+        """FailedPrecondition WRONG_SHARD unless this shard owns ``group_id``."""
+        if self.shard.owns(group_id):
+            return
+        details = self.owner_details(group_id)
+        where = f" at {details['owner_address']}" if "owner_address" in details else ""
+        raise FailedPrecondition(
+            "WRONG_SHARD",
+            f"group {group_id[:200]!r} belongs to shard {details['owner_shard']} of"
+            f" {self.shard.count}{where}, not to shard {self.shard.index}; send it there",
+            metadata=details,
+        )
+
+    def check_header(self, header: str | None, group_id: str) -> None:
+        """InvalidArgument GROUP_HEADER_MISMATCH when ``x-group-id`` names another group than
+        the request: the proxy routed by one group and the call is about another."""
+        if header is None or header == group_id:
+            return
+        raise InvalidArgument(
+            "GROUP_HEADER_MISMATCH",
+            f"header {GROUP_HEADER} is {header[:200]!r} but the request names group"
+            f" {group_id[:200]!r}; a proxy routes by the header, so they must agree",
+            metadata={"header_group_id": header, "group_id": group_id},
+            field_violations=[(GROUP_HEADER, "disagrees with the request's group")],
+        )
+
+    def foreign_reward(self, group_id: str) -> RewardOutcome | None:
+        """The outcome of a reward entry for another shard's group (None: ours)."""
+        if self.shard.owns(group_id):
+            return None
+        details = self.owner_details(group_id)
+        address = str(details.get("owner_address", ""))
+        owner = int(str(details["owner_shard"]))
+        where = f" at {address}" if address else ""
+        return RewardOutcome(
+            RewardStatus.WRONG_SHARD,
+            f"group {group_id[:200]!r} belongs to shard {owner} of {self.shard.count}{where}",
+            owner_shard=owner,
+            owner_address=address,
+        )
+
+    def mint_group_id(self) -> str:
+        """A fresh random group id that this shard owns, so joins by it and request-id
+        retries land here (rejection sampling: N tries on average)."""
+        for _ in range(MINT_ATTEMPTS):
+            candidate = uuid.uuid4().hex
+            if self.shard.owns(candidate):
+                return candidate
+        raise RuntimeError(f"no group id for shard {self.shard} in {MINT_ATTEMPTS} tries")

@@ -1,0 +1,198 @@
+"""SubscribeGroups of a sharded router: the merged feed of every shard, from JetStream.
+
+Every shard serves the same stream ``SESSIONROUTER_GROUPS`` (each shard's finalized groups,
+published after its journal commit), so a trainer follows one feed whichever shard it
+reaches, with the same API: the cursor is the stream's sequence, one sequence across shards,
+and ``after_cursor`` resumes after it. The filters of SubscribeGroups apply as on a single
+router (``min_version`` and ``skip_degenerate`` count and skip, ``last_cursor`` covers
+skipped groups).
+
+Each subscription is an ephemeral pull consumer (no acks) starting after the requested
+sequence; it fetches only when the gRPC stream has sent what it fetched before, so a slow
+trainer holds back its own consumer and nothing else. Cursors outside the stream are
+OUT_OF_RANGE as on a single router (``CURSOR_EXPIRED`` below the stream's first sequence,
+``CURSOR_AHEAD_OF_FEED`` beyond its last).
+
+While NATS is unreachable the feed cannot be served (the shard alone knows only its own
+groups, under other cursors): a subscription then ends, or is refused, with UNAVAILABLE
+``NATS_UNAVAILABLE`` and metadata ``cursor``, the last cursor sent, and clients resume after
+it once NATS is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from sessionrouter.server.core.errors import OutOfRange, RouterError, Unavailable
+from sessionrouter.server.core.router import SessionRouter
+from sessionrouter.server.core.streams import Commit, no_journal
+from sessionrouter.server.servicer import (
+    AFTER_CURSOR_HEADER,
+    FEED_READ_BATCH,
+    MESSAGE_BYTE_BUDGET,
+    SessionServicer,
+)
+from sessionrouter.server.shards.link import FEED_STREAM, FEED_SUBJECT_PREFIX, NatsLink
+from sessionrouter.server.status import Refusals
+from sessionrouter.v1 import resources_pb2 as pb
+from sessionrouter.v1 import session_service_pb2 as spb
+
+FETCH_WAIT_S = 1.0
+"""How long one fetch waits for a new group before it checks the link and the drain."""
+CONSUMER_INACTIVE_S = 60.0
+"""The server forgets a subscription's consumer this long after its stream went away."""
+
+
+def merged_messages(
+    batch: list[tuple[int, pb.GroupResult]], skip_degenerate: bool, min_version: int = 0
+) -> list[spb.SubscribeGroupsResponse]:
+    """One fetched batch (stream order) as feed messages of at most MESSAGE_BYTE_BUDGET
+    bytes, as on a single router: a group below ``min_version`` is counted in
+    ``skipped_groups``, else a degenerate one (``skip_degenerate``) in
+    ``skipped_degenerate``, and ``last_cursor`` covers them."""
+    messages: list[spb.SubscribeGroupsResponse] = []
+    current = spb.SubscribeGroupsResponse()
+    size = 0
+    covered = 0
+    for sequence, result in batch:
+        if min_version and result.min_version < min_version:
+            current.skipped_groups += 1
+        elif skip_degenerate and result.degenerate:
+            current.skipped_degenerate += 1
+        else:
+            grows = result.ByteSize() + 8
+            if current.groups and size + grows > MESSAGE_BYTE_BUDGET:
+                current.last_cursor = covered
+                messages.append(current)
+                current, size = spb.SubscribeGroupsResponse(), 0
+            current.groups.append(result)
+            size += grows
+        covered = sequence
+    current.last_cursor = covered
+    messages.append(current)
+    return messages
+
+
+class ShardedSessionServicer(SessionServicer):
+    """SessionService whose feed is the merged stream of all shards."""
+
+    def __init__(
+        self,
+        router: SessionRouter,
+        link: NatsLink,
+        commit: Commit = no_journal,
+        refusals: Refusals | None = None,
+    ) -> None:
+        super().__init__(router, commit, refusals)
+        self._link = link
+
+    def _nats_down(self, cursor: int) -> Unavailable:
+        return Unavailable(
+            "NATS_UNAVAILABLE",
+            f"NATS is unreachable, so the merged feed cannot be served; resume after cursor"
+            f" {cursor} once it is back",
+            retry_after_s=1.0,
+            metadata={"cursor": cursor},
+        )
+
+    async def _start_after(self, request: spb.SubscribeGroupsRequest) -> int:
+        """The stream sequence the subscription starts after; RouterError when it cannot."""
+        try:
+            info = await self._link.js.stream_info(FEED_STREAM)
+        except Exception:
+            raise self._nats_down(request.after_cursor) from None
+        first, last = int(info.state.first_seq), int(info.state.last_seq)
+        first = max(first, 1)
+        if request.from_latest:
+            return last
+        after = request.after_cursor
+        if after == 0:
+            return min(first, last + 1) - 1
+        if after > last:
+            raise OutOfRange(
+                "CURSOR_AHEAD_OF_FEED",
+                f"cursor {after} is beyond the newest group ({last})",
+                metadata={"cursor": after, "last_cursor": last},
+            )
+        if after + 1 < first:
+            raise OutOfRange(
+                "CURSOR_EXPIRED",
+                f"groups after cursor {after} are no longer retained; the oldest retained"
+                f" cursor is {first}",
+                metadata={"cursor": after, "oldest_cursor": first},
+            )
+        return after
+
+    async def SubscribeGroups(
+        self,
+        request: spb.SubscribeGroupsRequest,
+        context: grpc.aio.ServicerContext[object, object],
+    ) -> AsyncIterator[spb.SubscribeGroupsResponse]:
+        from nats.errors import TimeoutError as NatsTimeout
+        from nats.js import api
+
+        if not self._link.connected:
+            await self._abort(context, self._nats_down(request.after_cursor))
+        try:
+            cursor = await self._start_after(request)
+        except RouterError as error:
+            await self._abort(context, error)
+        await context.send_initial_metadata(((AFTER_CURSOR_HEADER, str(cursor)),))
+        feed = self._router.feed
+        subscription = feed.subscribe(context.peer(), cursor)
+        config = api.ConsumerConfig(
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=cursor + 1,
+            ack_policy=api.AckPolicy.NONE,
+            inactive_threshold=CONSUMER_INACTIVE_S,
+            mem_storage=True,
+        )
+        consumer: Any = None
+        try:
+            try:
+                consumer = await self._link.js.pull_subscribe(
+                    f"{FEED_SUBJECT_PREFIX}.*", stream=FEED_STREAM, config=config
+                )
+            except Exception:
+                await self._abort(context, self._nats_down(cursor))
+            while True:
+                if feed.closed:
+                    await self._abort(context, self._draining_error("group feed", cursor))
+                if self._link.down():
+                    await self._abort(context, self._nats_down(cursor))
+                try:
+                    msgs = await consumer.fetch(FEED_READ_BATCH, timeout=FETCH_WAIT_S)
+                except NatsTimeout:
+                    continue
+                except (asyncio.CancelledError, GeneratorExit):
+                    raise
+                except Exception:
+                    await self._abort(context, self._nats_down(cursor))
+                batch = []
+                for msg in msgs:
+                    sequence = int(msg.metadata.sequence.stream)
+                    if sequence <= cursor:
+                        continue  # a redelivery after a consumer reset
+                    result = pb.GroupResult.FromString(msg.data)
+                    result.cursor = sequence
+                    batch.append((sequence, result))
+                if not batch:
+                    continue
+                for message in merged_messages(batch, request.skip_degenerate, request.min_version):
+                    yield message
+                cursor = subscription.cursor = batch[-1][0]
+        finally:
+            feed.unsubscribe(subscription)
+            if consumer is not None:
+                with contextlib.suppress(Exception):  # else the server drops it when inactive
+                    info = await asyncio.wait_for(consumer.consumer_info(), 1.0)
+                    await asyncio.wait_for(
+                        self._link.js.delete_consumer(FEED_STREAM, info.name), 1.0
+                    )
+                with contextlib.suppress(Exception):
+                    await consumer.unsubscribe()

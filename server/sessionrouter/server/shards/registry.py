@@ -1,0 +1,188 @@
+"""The shard registry: who serves which shard, at which address, for how many shards.
+
+Each shard puts ``{index, count, address, started_at}`` under key ``shard-<index>`` of the KV
+bucket ``sessionrouter_shards`` and refreshes it every ``REFRESH_S``; the bucket's TTL drops
+the entry of a shard that stopped refreshing (a stopped process deletes its own at once).
+
+A shard count disagreement is refused in two places. At start, a shard that finds a live
+entry of another count does not serve: ``ShardStartError`` (exit 2, one line naming both
+counts), because starting would split groups between two maps. While serving, a shard that
+sees such an entry appear (two shards started at the same moment, or an operator reshards
+without stopping the old set) refuses every call that names a group with FAILED_PRECONDITION
+``SHARD_COUNT_MISMATCH`` until the entry goes away: it cannot know which map is meant, and
+refusing is what keeps a group from being served by two owners. Health stays SERVING for
+what does not name a group (lookups of workers, the feed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sessionrouter.server.core.errors import FailedPrecondition
+from sessionrouter.server.shards.identity import ShardIdentity
+from sessionrouter.server.shards.link import SHARDS_BUCKET, NatsLink, ShardStartError, stop_watch
+
+log = logging.getLogger("sessionrouter.shards")
+
+REFRESH_S = 3.0
+"""How often a shard refreshes its registry entry (the bucket's TTL is at least 15 s)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardEntry:
+    """One shard's registry record."""
+
+    index: int
+    count: int
+    address: str
+    started_at: float
+    """Unix seconds the process started serving."""
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "index": self.index,
+                "count": self.count,
+                "address": self.address,
+                "started_at": self.started_at,
+            }
+        ).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> ShardEntry | None:
+        try:
+            raw = json.loads(data)
+            return cls(
+                int(raw["index"]), int(raw["count"]), str(raw["address"]), float(raw["started_at"])
+            )
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def _key(index: int) -> str:
+    return f"shard-{index}"
+
+
+class ShardRegistry:
+    """This shard's entry, and what it knows of the others."""
+
+    def __init__(self, link: NatsLink, shard: ShardIdentity, address: str) -> None:
+        self._link = link
+        self.shard = shard
+        self.entry = ShardEntry(shard.index, shard.count, address, time.time())
+        self.peers: dict[int, ShardEntry] = {}
+        """Entries of the shards with this shard's count, by index (this one included)."""
+        self.mismatched: dict[int, ShardEntry] = {}
+        """Live entries whose count disagrees, by index."""
+        self._kv: Any = None
+
+    def address_of(self, index: int) -> str:
+        entry = self.peers.get(index)
+        return entry.address if entry is not None else ""
+
+    async def join(self) -> None:
+        """Checks the live entries and puts this shard's; ShardStartError on a count that
+        disagrees."""
+        self._kv = await self._link.js.key_value(SHARDS_BUCKET)
+        for entry in await self._entries():
+            if entry.count != self.shard.count:
+                raise ShardStartError(
+                    f"shard {self.shard} refused to start: shard {entry.index}/{entry.count}"
+                    f" at {entry.address or '?'} is live with {entry.count} shards, this one"
+                    f" was started with {self.shard.count}; run every shard with the same"
+                    " --shard N (stop the others first to reshard)"
+                )
+            self.peers[entry.index] = entry
+        await self._kv.put(_key(self.shard.index), self.entry.encode())
+        self.peers[self.shard.index] = self.entry
+
+    async def _entries(self) -> list[ShardEntry]:
+        """The live entries, read now. The keys come from the bucket's stream (its subjects
+        with a message), not from a watch, so none can be missed at start-up."""
+        info = await self._link.js.stream_info(f"KV_{SHARDS_BUCKET}", subjects_filter=">")
+        prefix = f"$KV.{SHARDS_BUCKET}."
+        entries = []
+        for subject in sorted((info.state.subjects or {}).keys()):
+            try:
+                got = await self._kv.get(subject.removeprefix(prefix))
+            except Exception:  # deleted or expired since
+                continue
+            entry = ShardEntry.decode(got.value or b"")
+            if entry is not None:
+                entries.append(entry)
+        return entries
+
+    async def refresh(self) -> None:
+        """Refreshes this shard's entry every REFRESH_S until cancelled (run under
+        ``retry_forever``)."""
+        kv = await self._link.js.key_value(SHARDS_BUCKET)
+        while True:
+            await kv.put(_key(self.shard.index), self.entry.encode())
+            await asyncio.sleep(REFRESH_S)
+
+    async def watch(self) -> None:
+        """Follows every shard's entry (addresses for WRONG_SHARD, other counts for
+        SHARD_COUNT_MISMATCH) until cancelled."""
+        kv = await self._link.js.key_value(SHARDS_BUCKET)
+        watcher = await kv.watchall()
+        try:
+            async for update in watcher:
+                if update is None or not update.key.startswith("shard-"):
+                    continue
+                index = int(update.key.removeprefix("shard-"))
+                entry = None
+                if update.operation not in ("DEL", "PURGE"):
+                    entry = ShardEntry.decode(update.value or b"")
+                self._seen(index, entry)
+        finally:
+            await stop_watch(watcher)
+
+    def _seen(self, index: int, entry: ShardEntry | None) -> None:
+        self.peers.pop(index, None)
+        self.mismatched.pop(index, None)
+        if entry is None:
+            return
+        if entry.count == self.shard.count:
+            self.peers[index] = entry
+            return
+        if not self.mismatched:
+            log.error(
+                "shard count mismatch",
+                extra={
+                    "event": "shard_count_mismatch",
+                    "shard": str(self.shard),
+                    "other": f"{entry.index}/{entry.count}",
+                    "other_address": entry.address,
+                },
+            )
+        self.mismatched[index] = entry
+
+    def check_counts(self) -> None:
+        """FailedPrecondition SHARD_COUNT_MISMATCH while another count is live."""
+        if not self.mismatched:
+            return
+        other = next(iter(self.mismatched.values()))
+        raise FailedPrecondition(
+            "SHARD_COUNT_MISMATCH",
+            f"shard {self.shard} sees shard {other.index}/{other.count} at"
+            f" {other.address or '?'}: the shards disagree on how many there are, so no"
+            " group is served until they agree",
+            metadata={
+                "shard_count": self.shard.count,
+                "other_shard_count": other.count,
+                "other_address": other.address,
+            },
+        )
+
+    async def leave(self) -> None:
+        """Deletes this shard's entry (a clean stop)."""
+        if self._kv is not None and self._link.connected:
+            try:
+                await asyncio.wait_for(self._kv.delete(_key(self.shard.index)), 2.0)
+            except Exception as exc:
+                log.debug("registry entry not deleted", extra={"error": repr(exc)})

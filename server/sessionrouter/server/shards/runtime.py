@@ -1,0 +1,151 @@
+"""One shard's NATS side, started and stopped with the server (``app.RouterServer``).
+
+Start order: connect to NATS (exit 2 when unreachable), create the buckets and the feed
+stream, check the registry (exit 2 on another shard count) and register, then start the
+loops: registry refresh, pool watch, load publishing, feed publishing. Each loop runs under
+``retry_forever``, so a NATS outage pauses it and it resumes from NATS's state once the link
+is back. Stop order: flush the feed to the stream (bounded by the grace time), leave the
+registry, close the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from sessionrouter.server.config import WorkerSpec
+from sessionrouter.server.core.router import SessionRouter
+from sessionrouter.server.core.streams import Commit
+from sessionrouter.server.shards.guard import ShardGuard
+from sessionrouter.server.shards.identity import Ownership, ShardConfig
+from sessionrouter.server.shards.link import NatsLink, ShardStartError, retry_forever
+from sessionrouter.server.shards.merged_feed import ShardedSessionServicer
+from sessionrouter.server.shards.metrics import ShardCollector
+from sessionrouter.server.shards.pool import PoolMirror
+from sessionrouter.server.shards.publisher import FeedPublisher, feed_epoch
+from sessionrouter.server.shards.registry import ShardRegistry
+from sessionrouter.server.shards.worker_service import ShardedWorkerServicer
+from sessionrouter.server.status import Refusals
+
+log = logging.getLogger("sessionrouter.shards")
+
+
+class ShardRuntime:
+    """Registry, pool mirror and feed publisher of one shard."""
+
+    def __init__(
+        self,
+        config: ShardConfig,
+        router: SessionRouter,
+        state_dir: str | None,
+        static_workers: tuple[WorkerSpec, ...] = (),
+    ) -> None:
+        self.config = config
+        self.router = router
+        self.link = NatsLink(config.nats_url)
+        self.registry: ShardRegistry | None = None
+        self.ownership = Ownership(config.shard, self._address_of)
+        self.pool = PoolMirror(router, self.link, config.shard)
+        self.pool.keep_static(static_workers)
+        self.publisher = FeedPublisher(router.feed, self.link, config.shard, feed_epoch(state_dir))
+        self._tasks: list[asyncio.Task[None]] = []
+        self._collector: ShardCollector | None = None
+        router.new_group_id = self.ownership.mint_group_id
+        router.foreign_reward = self.ownership.foreign_reward
+
+    def _address_of(self, index: int) -> str:
+        return self.registry.address_of(index) if self.registry is not None else ""
+
+    def check_counts(self) -> None:
+        if self.registry is not None:
+            self.registry.check_counts()
+
+    async def start(self, address: str) -> None:
+        """Connects, checks the registry and starts the loops (ShardStartError: exit 2)."""
+        settings = self.router.settings
+        await self.link.connect()
+        try:
+            await self.link.ensure_jetstream(
+                settings.feed_retention, settings.max_retained_bytes, settings.heartbeat_timeout_s
+            )
+            registry = ShardRegistry(self.link, self.config.shard, self.config.advertise or address)
+            await registry.join()
+            self.registry = registry
+            await self.pool.open()
+        except ShardStartError:
+            await self.link.close()
+            raise
+        except Exception as exc:  # a JetStream API error: one line, not a traceback
+            await self.link.close()
+            raise ShardStartError(
+                f"shard {self.config.shard} could not set up NATS at {self.config.nats_url}:"
+                f" {type(exc).__name__} {exc}"
+            ) from None
+        except BaseException:
+            await self.link.close()
+            raise
+        self.router.finalizer.listeners.append(self.publisher.notify)
+        loops = {
+            "shard-registry": registry.refresh,
+            "shard-registry-watch": registry.watch,
+            "pool-watch": self.pool.watch_workers,
+            "load-watch": self.pool.watch_loads,
+            "load-publish": self.pool.publish_loads,
+            "feed-publish": self.publisher.run,
+        }
+        self._tasks = [
+            asyncio.create_task(retry_forever(name, self.link, body), name=name)
+            for name, body in loops.items()
+        ]
+        log.info(
+            "shard joined",
+            extra={
+                "event": "shard_joined",
+                "shard": str(self.config.shard),
+                "nats": self.config.nats_url,
+                "address": registry.entry.address,
+                "peers": sorted(registry.peers),
+            },
+        )
+
+    def guard(self, refusals: Refusals) -> ShardGuard:
+        """The interceptor that refuses calls about other shards' groups."""
+        return ShardGuard(self.ownership, self.check_counts, refusals)
+
+    def servicers(
+        self, commit: Commit, refusals: Refusals
+    ) -> tuple[ShardedSessionServicer, ShardedWorkerServicer]:
+        """The services of a sharded router: the merged feed, the shared pool."""
+        return (
+            ShardedSessionServicer(self.router, self.link, commit, refusals),
+            ShardedWorkerServicer(self.router, self.pool, commit, refusals),
+        )
+
+    def collector(self) -> ShardCollector:
+        """The shard's metrics (refreshed on every tick)."""
+        self._collector = ShardCollector(self.pool, self.publisher, lambda: self.registry)
+        return self._collector
+
+    def tick(self) -> None:
+        """Called with the server's tick: keeps the last known pool while NATS is down, and
+        copies the metrics."""
+        self.pool.hold_while_down()
+        if self._collector is not None:
+            self._collector.refresh()
+
+    async def stop(self, flush_s: float) -> None:
+        """Publishes what is left (at most ``flush_s``), leaves the registry, disconnects."""
+        if self.link.connected and not await self.publisher.flush(flush_s):
+            log.warning(
+                "feed not fully published at stop; the restart publishes the rest",
+                extra={"event": "feed_publish_pending", "groups": self.publisher.backlog},
+            )
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
+        if self.registry is not None:
+            await self.registry.leave()
+        await self.link.close()  # also frees a loop still blocked on the socket
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
