@@ -8,6 +8,7 @@ the same run, since absolute numbers on a shared machine drift.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import platform
 import signal
@@ -39,9 +40,22 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
+@dataclasses.dataclass(frozen=True)
+class Server:
+    """A server process started by ``serve``: where it listens, and its pid (for /proc)."""
+
+    address: str
+    pid: int
+
+    def cpu_seconds(self) -> float:
+        """User plus system CPU time the process has used so far (from /proc/PID/stat)."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.contextmanager
-def server_process(args: Sequence[str], timeout_s: float = 30.0) -> Iterator[str]:
-    """Runs a server command that takes ``--port-file`` and yields its ``127.0.0.1:port``.
+def serve(args: Sequence[str], timeout_s: float = 30.0) -> Iterator[Server]:
+    """Runs a server command that takes ``--port-file`` and yields it once it listens.
 
     Its output goes to a file, not a pipe: a router at its default log level writes lines
     that would fill an unread pipe and stall it. The command is stopped with SIGTERM (then
@@ -65,7 +79,7 @@ def server_process(args: Sequence[str], timeout_s: float = 30.0) -> Iterator[str
                 if time.monotonic() > deadline:
                     raise TimeoutError("server did not write its port file in time")
                 time.sleep(0.05)
-            yield f"127.0.0.1:{port_file.read_text().strip()}"
+            yield Server(f"127.0.0.1:{port_file.read_text().strip()}", proc.pid)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -73,6 +87,13 @@ def server_process(args: Sequence[str], timeout_s: float = 30.0) -> Iterator[str
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@contextlib.contextmanager
+def server_process(args: Sequence[str], timeout_s: float = 30.0) -> Iterator[str]:
+    """``serve``, yielding only the ``127.0.0.1:port`` address."""
+    with serve(args, timeout_s) as server:
+        yield server.address
 
 
 def router_command(*extra: str) -> list[str]:

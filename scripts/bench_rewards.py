@@ -1,35 +1,52 @@
-"""SubmitRewards throughput over gRPC on loopback, against a do-nothing baseline.
+"""SubmitRewards throughput and server CPU per reward over gRPC on loopback, against an
+ack-only baseline.
 
 Drives one bidirectional stream with 1 and with 256 reward entries per message and prints
-rewards/s for the real router next to a trivial server that only acknowledges the same
-messages (same proto, same client, same run). The ratio is the figure to quote: it says how
-much of the transport's ceiling the router's bookkeeping and reduction leave.
+rewards/s and the server process's CPU time per reward (from /proc) for the real router next
+to a trivial server that only acknowledges the same messages (same proto, same client, same
+run, the two alternated). The router runs at its default settings, default log level
+included. Three ways of sending, each against an ack-only server that answers in kind:
 
-    .venv/bin/python scripts/bench_rewards.py [--rewards 40000] [--repeats 3]
+- ``message``: RewardEntry sub-messages, raw stubs, per-group GroupResult messages back;
+- ``columnar``: RewardColumns of session handles, raw stubs, packed statuses and one
+  GroupResultBatch per message back;
+- ``client``: the project's Python client, ``RewardStream.submit_arrays`` with handles and
+  ``columnar_results`` (what a trainer using the client gets).
+
+The ratios are the figures to quote: they say how much of the transport's ceiling the
+router's bookkeeping and reduction leave.
+
+    .venv/bin/python scripts/bench_rewards.py [--rewards 40000] [--repeats 3] [--modes ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import grpc
-from bench_common import header, median, router_command, server_process
+import numpy as np
+from bench_common import Server, header, median, router_command, serve
 
+from sessionrouter.client import SessionRouterClient
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
 from sessionrouter.v1 import worker_service_pb2 as wpb
 from sessionrouter.v1 import worker_service_pb2_grpc as wpb_grpc
 
 GROUP_SIZE = 8
+WINDOW = 64
+"""Requests in flight at most (unacknowledged), for every mode."""
 
 
 class AckOnlyServicer(spb_grpc.SessionServiceServicer):
-    """The baseline: answers every SubmitRewards request with ACCEPTED per entry."""
+    """The baseline: answers every SubmitRewards request with ACCEPTED per entry, in the
+    request's form (one RewardResult per entry, or packed statuses)."""
 
     async def SubmitRewards(  # noqa: N802  (the RPC's name)
         self,
@@ -38,11 +55,16 @@ class AckOnlyServicer(spb_grpc.SessionServiceServicer):
     ) -> AsyncIterator[spb.SubmitRewardsResponse]:
         accepted = spb.RewardResult(status=spb.REWARD_STATUS_ACCEPTED)
         async for request in request_iterator:
-            yield spb.SubmitRewardsResponse(
-                ack=spb.RewardAck(
+            if request.HasField("columns"):
+                count = len(request.columns.rewards)
+                ack = spb.RewardAck(
+                    sequence=request.sequence, statuses=[spb.REWARD_STATUS_ACCEPTED] * count
+                )
+            else:
+                ack = spb.RewardAck(
                     sequence=request.sequence, results=[accepted] * len(request.entries)
                 )
-            )
+            yield spb.SubmitRewardsResponse(ack=ack)
 
 
 async def serve_trivial(port_file: str) -> None:
@@ -57,7 +79,13 @@ async def serve_trivial(port_file: str) -> None:
 
 
 async def make_sessions(address: str, count: int) -> list[str]:
-    """Registers workers and starts ``count`` sessions in groups of GROUP_SIZE."""
+    """Registers workers and starts ``count`` sessions in groups of GROUP_SIZE; returns
+    their names."""
+    return (await make_sessions_with_handles(address, count))[0]
+
+
+async def make_sessions_with_handles(address: str, count: int) -> tuple[list[str], list[int]]:
+    """``make_sessions``, returning the sessions' handles too."""
     async with grpc.aio.insecure_channel(address) as channel:
         workers = wpb_grpc.WorkerServiceStub(channel)
         for i in range(16):
@@ -68,6 +96,7 @@ async def make_sessions(address: str, count: int) -> list[str]:
             )
         sessions = spb_grpc.SessionServiceStub(channel)
         names: list[str] = []
+        handles: list[int] = []
         for start in range(0, count, GROUP_SIZE * 64):
             replies = await asyncio.gather(
                 *(
@@ -78,24 +107,38 @@ async def make_sessions(address: str, count: int) -> list[str]:
                 )
             )
             names += [m.name for r in replies for m in r.group.members]
-        return names
+            handles += [m.handle for r in replies for m in r.group.members]
+        return names, handles
 
 
-async def drive(address: str, names: Sequence[str], per_message: int, window: int = 64) -> float:
-    """Streams one reward per name, ``per_message`` entries per request, keeping at most
-    ``window`` requests unacknowledged; returns rewards per second."""
-    requests = [
-        spb.SubmitRewardsRequest(
-            entries=[
-                spb.RewardEntry(session=n, reward=float(i % 3))
-                for i, n in enumerate(names[start : start + per_message])
-            ],
-            sequence=k,
-        )
-        for k, start in enumerate(range(0, len(names), per_message))
-    ]
-    acked = asyncio.Semaphore(window)
+def requests_of(
+    mode: str, names: Sequence[str], handles: Sequence[int], per_message: int
+) -> list[spb.SubmitRewardsRequest]:
+    requests = []
+    for k, start in enumerate(range(0, len(names), per_message)):
+        end = start + per_message
+        rewards = [float(i % 3) for i in range(start, min(end, len(names)))]
+        if mode == "message":
+            request = spb.SubmitRewardsRequest(
+                entries=[
+                    spb.RewardEntry(session=n, reward=r)
+                    for n, r in zip(names[start:end], rewards, strict=True)
+                ],
+                sequence=k,
+            )
+        else:
+            request = spb.SubmitRewardsRequest(
+                columns=spb.RewardColumns(handles=handles[start:end], rewards=rewards),
+                sequence=k,
+                columnar_results=True,
+            )
+        requests.append(request)
+    return requests
 
+
+async def drive_stubs(address: str, requests: Sequence[spb.SubmitRewardsRequest]) -> None:
+    """Streams the requests, keeping at most WINDOW unacknowledged, until every ack came."""
+    acked = asyncio.Semaphore(WINDOW)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = spb_grpc.SessionServiceStub(channel)
 
@@ -104,7 +147,6 @@ async def drive(address: str, names: Sequence[str], per_message: int, window: in
                 await acked.acquire()
                 yield request
 
-        started = time.perf_counter()
         call = stub.SubmitRewards(produce())
         acks = 0
         async for response in call:
@@ -114,34 +156,121 @@ async def drive(address: str, names: Sequence[str], per_message: int, window: in
                 if acks == len(requests):
                     call.cancel()
                     break
+
+
+async def drive(address: str, names: Sequence[str], per_message: int) -> float:
+    """Message form with raw stubs: one reward per name, ``per_message`` entries per request;
+    returns rewards per second."""
+    requests = requests_of("message", names, [0] * len(names), per_message)
+    started = time.perf_counter()
+    await drive_stubs(address, requests)
+    return len(names) / (time.perf_counter() - started)
+
+
+async def drive_client(address: str, handles: Sequence[int], per_message: int) -> float:
+    """The project's client: one ``submit_arrays`` per message, WINDOW in flight; returns
+    the seconds from the first submit to the last ack (connecting and closing left out, as
+    the stub modes leave out building their requests)."""
+    ids = np.asarray(handles, dtype=np.uint64)
+    rewards = (np.arange(len(ids)) % 3).astype(np.float64)
+    window = asyncio.Semaphore(WINDOW)
+    async with SessionRouterClient.connect(address) as client:
+        stream = client.reward_stream(
+            max_batch=per_message, columnar_results=True, keep_results=False
+        )
+        async with stream:
+
+            async def one(start: int) -> None:
+                async with window:
+                    ack = await stream.submit_arrays(
+                        ids[start : start + per_message], rewards[start : start + per_message]
+                    )
+                    if not ack.all_ok:
+                        raise RuntimeError(f"rewards refused: {ack.details[:3]}")
+
+            await stream.submit_arrays(ids[:1], rewards[:1])  # the stream is open and warm
+            started = time.perf_counter()
+            await asyncio.gather(*(one(s) for s in range(1, len(ids), per_message)))
+            return time.perf_counter() - started
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def run_once(
+    server: Server, mode: str, names: Sequence[str], handles: Sequence[int], per_message: int
+) -> tuple[float, float]:
+    """Rewards/s and server CPU µs per reward of one run."""
+    requests = requests_of(mode, names, handles, per_message) if mode != "client" else []
+    cpu = server.cpu_seconds()
+    if mode == "client":
+        elapsed = await drive_client(server.address, handles, per_message)
+    else:
+        started = time.perf_counter()
+        await drive_stubs(server.address, requests)
         elapsed = time.perf_counter() - started
-    return len(names) / elapsed
+    return len(names) / elapsed, (server.cpu_seconds() - cpu) / len(names) * 1e6
+
+
+def uptime() -> str:
+    """What ``uptime`` says: how loaded the machine was (the figures are shared-core ones)."""
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
 
 
 async def measure(args: argparse.Namespace) -> None:
-    header("SubmitRewards throughput, router vs ack-only server")
-    print(f"# {args.rewards} rewards per run, groups of {GROUP_SIZE}, median of {args.repeats}")
+    header("SubmitRewards throughput and server CPU per reward, router vs ack-only server")
+    print(f"# uptime before: {uptime()}")
+    print(
+        f"# {args.rewards} rewards per run (a quarter at 1 entry/msg), groups of {GROUP_SIZE},"
+        f" {WINDOW} requests in flight, router flags {args.router_arg or 'default'}, median of"
+        f" {args.repeats} (router and ack-only alternated)"
+    )
     trivial = [sys.executable, __file__, "--serve-trivial"]
-    print(f"{'entries/msg':>11} {'router rewards/s':>17} {'ack-only rewards/s':>19} {'ratio':>6}")
-    for per_message in (1, 256):
-        count = args.rewards if per_message > 1 else args.rewards // 4
-        ours, base = [], []
-        for _ in range(args.repeats):
-            with server_process(router_command("--heartbeat-timeout", "3600")) as address:
-                names = await make_sessions(address, count)
-                ours.append(await drive(address, names, per_message))
-            with server_process(trivial) as address:
-                base.append(await drive(address, names, per_message))
-        print(
-            f"{per_message:>11} {median(ours):>17,.0f} {median(base):>19,.0f}"
-            f" {median(ours) / median(base):>6.2f}"
-        )
+    print(
+        f"{'mode':>8} {'entries/msg':>11} {'router rew/s':>13} {'ack-only rew/s':>15}"
+        f" {'ratio':>6} {'router µs CPU/rew':>18} {'ack-only µs':>12} {'CPU ratio':>10}"
+    )
+    for mode in args.modes:
+        for per_message in args.per_message:
+            count = args.rewards if per_message > 1 else args.rewards // 4
+            ours, base, ours_cpu, base_cpu = [], [], [], []
+            for _ in range(args.repeats):
+                with serve(
+                    router_command("--heartbeat-timeout", "3600", *args.router_arg)
+                ) as router:
+                    names, handles = await make_sessions_with_handles(router.address, count)
+                    rate, cpu = await run_once(router, mode, names, handles, per_message)
+                    ours.append(rate)
+                    ours_cpu.append(cpu)
+                with serve(trivial) as ack_only:
+                    rate, cpu = await run_once(ack_only, mode, names, handles, per_message)
+                    base.append(rate)
+                    base_cpu.append(cpu)
+            print(
+                f"{mode:>8} {per_message:>11} {median(ours):>13,.0f} {median(base):>15,.0f}"
+                f" {median(ours) / median(base):>6.2f} {median(ours_cpu):>18.2f}"
+                f" {median(base_cpu):>12.2f} {median(ours_cpu) / median(base_cpu):>10.1f}",
+                flush=True,
+            )
+    print(f"# uptime after: {uptime()}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rewards", type=int, default=40_000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=("message", "columnar", "client"),
+        default=["message", "columnar", "client"],
+    )
+    parser.add_argument("--per-message", nargs="+", type=int, default=[1, 256])
+    parser.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="an extra router flag (repeat it): leave the defaults to quote figures, e.g."
+        " --router-arg=--log-level --router-arg=warning only to show what logging costs",
+    )
     parser.add_argument("--serve-trivial", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port-file", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -54,17 +54,19 @@ def test_readme_programs_run_twice_against_a_persisted_router(tmp_path: Path) ->
 
 
 def check_outputs(outputs: list[list[str]]) -> None:
-    """What the four README programs print, run after run (see README.md)."""
-    for run, (group, joined, feed, placed) in enumerate(outputs, start=1):
+    """What the five README programs print, run after run (see README.md)."""
+    for run, (group, joined, feed, arrays, placed) in enumerate(outputs, start=1):
         assert " COMPLETE [" in group, group
         assert joined.startswith("8 distinct workers COMPLETE"), joined
         # The feed follower resumes after the cursor of the previous run: each run consumes
         # the two groups the two programs before it made, and from the second run on the
-        # placement program's group of the run before.
-        consumed, cursor = (2, 2) if run == 1 else (3, 3 * run - 1)
+        # array program's four groups and the placement program's group of the run before.
+        consumed, cursor = (2, 2) if run == 1 else (7, 7 * run - 5)
         assert feed.rstrip().endswith(
             f"{consumed} groups consumed; the next run resumes after cursor {cursor}"
         ), feed
+        assert arrays.startswith("4 groups in "), arrays
+        assert "advantage sums per group" in arrays and "/sessions/0 " in arrays, arrays
         assert placed.startswith("2 workers for 8 members"), placed
         assert "COMPLETE ('groups/" in placed and "degenerate: True" in placed, placed
         assert placed.rstrip().endswith("1 degenerate group(s) skipped"), placed

@@ -165,3 +165,30 @@ async def test_reward_entries_for_another_shard_get_wrong_shard(shards: list[Har
     # The other shard's session was not touched.
     group = await s1.sessions.GetGroup(spb.GetGroupRequest(group_id=theirs))
     assert group.group.members[0].state == pb.SESSION_STATE_OPEN
+
+
+async def test_columnar_entries_for_another_shard_get_wrong_shard(shards: list[Harness]) -> None:
+    """The columnar form gives the same statuses: packed 9 for the other shard's entry, with a
+    detail naming the owner (the columnar ack carries no per-entry owner fields)."""
+    s0, s1, _ = shards
+    mine = owned_group(0, 3)
+    theirs = owned_group(1, 3)
+    await s0.sessions.StartGroup(spb.StartGroupRequest(task_id="t", group_id=mine, group_size=2))
+    await s1.sessions.StartGroup(spb.StartGroupRequest(task_id="t", group_id=theirs, group_size=2))
+    call = s0.sessions.SubmitRewards()
+    names = [f"groups/{mine}/sessions/0", f"groups/{theirs}/sessions/0"]
+    await call.write(
+        spb.SubmitRewardsRequest(
+            sequence=1, columns=spb.RewardColumns(sessions=names, rewards=[1.0, 1.0])
+        )
+    )
+    response = await asyncio.wait_for(call.read(), 5)
+    assert isinstance(response, spb.SubmitRewardsResponse)
+    assert list(response.ack.statuses) == [
+        spb.REWARD_STATUS_ACCEPTED,
+        spb.REWARD_STATUS_WRONG_SHARD,
+    ]
+    assert list(response.ack.detail_entries) == [1]
+    assert theirs in response.ack.details[0] and s1.address in response.ack.details[0]
+    await call.done_writing()
+    call.cancel()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from sessionrouter.server import convert, status
 from sessionrouter.server.core import errors
-from sessionrouter.server.core.rewards import RewardStatus
+from sessionrouter.server.core.rewards import STATUS_CODES, RewardStatus
 from sessionrouter.v1 import session_service_pb2 as spb
 
 
@@ -22,6 +22,12 @@ def test_every_reward_status_converts_to_a_distinct_proto_status() -> None:
     values = list(convert.REWARD_STATUS.values())
     assert len(set(values)) == len(values)
     assert spb.REWARD_STATUS_UNSPECIFIED not in values
+
+
+def test_the_status_bytes_of_a_batch_are_the_proto_numbers() -> None:
+    """Columnar acks send a batch's status codes as they are: each must be its proto number."""
+    assert set(STATUS_CODES) == set(RewardStatus)
+    assert {s: int(number) for s, number in convert.REWARD_STATUS.items()} == STATUS_CODES
 
 
 def test_every_core_error_has_a_status_code() -> None:

@@ -45,7 +45,13 @@ from sessionrouter.client._errors import (
     OutOfRangeError,
     SessionRouterError,
 )
-from sessionrouter.client._feed import FeedRetryHook, FeedSkipHook, follow_feed
+from sessionrouter.client._feed import (
+    FeedRetryHook,
+    FeedSkipHook,
+    batches_of,
+    follow_feed,
+    groups_of,
+)
 from sessionrouter.client._retry import Retrier, RetryPolicy
 from sessionrouter.client._rewards import ReplacementHook, RewardStream
 from sessionrouter.client._shard_rewards import (
@@ -64,6 +70,7 @@ from sessionrouter.client.types import (
     Page,
     PlacementMode,
     RegisterWorkerResult,
+    ResultBatch,
     RewardResult,
     RewardStatus,
     Session,
@@ -615,6 +622,7 @@ class SessionRouterClient:
         timeout: float | None = None,
         reconnect: bool = True,
         on_replacement: ReplacementHook | None = None,
+        columnar_results: bool = False,
     ) -> RewardStream:
         """A long-lived SubmitRewards stream for concurrent submitters; see ``RewardStream``.
 
@@ -626,6 +634,7 @@ class SessionRouterClient:
         or a proxy is reopened under the client's retry policy and the unacknowledged entries
         are resent (safe: a recorded reward comes back DUPLICATE). ``on_replacement`` is
         called with each ``Replacement`` the router announces (``replace_lost`` groups).
+        ``columnar_results`` asks for group results as arrays (``result_batches()``).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
 
@@ -646,10 +655,16 @@ class SessionRouterClient:
                 close_timeout=close_timeout,
                 retrier=self._retrier if reconnect else None,
                 on_replacement=on_replacement,
+                columnar_results=columnar_results,
             )
 
         if not self._routing.sharded:
             return open_stream(self._routing.shard(0))
+        if columnar_results:
+            raise ValueError(
+                "columnar_results is not available on a sharded client: open one client per"
+                " shard for the columnar form"
+            )
 
         def open_shard(shard: int, group_id: str | None) -> RewardStream:
             route = self._routing.shard(shard)
@@ -786,6 +801,7 @@ class SessionRouterClient:
 
         return follow_feed(
             open_call,
+            groups_of,
             after_cursor=after_cursor,
             from_latest=from_latest,
             retrier=retrier,
@@ -836,6 +852,50 @@ class SessionRouterClient:
             lambda s: s.sessions.GetTrainerState, spb.GetTrainerStateRequest(), timeout
         )
         return _convert.trainer_state_from_proto(response.state)
+
+    def subscribe_result_batches(
+        self,
+        *,
+        after_cursor: int = 0,
+        from_latest: bool = False,
+        retry_policy: RetryPolicy | None = None,
+        max_failed_connections: int | None = None,
+        on_retry: FeedRetryHook | None = None,
+        skip_degenerate: bool = False,
+        on_skipped: FeedSkipHook | None = None,
+        min_version: int = 0,
+    ) -> AsyncGenerator[ResultBatch, None]:
+        """``subscribe_groups`` in columnar form: the router sends each message's groups as
+        flat arrays, and this yields them as a ``ResultBatch`` (NumPy arrays, no Python
+        object per group; ``batch.groups`` builds the typed view when asked). Resume after
+        ``batch.last_cursor``. Same reconnection, cursor and skipping rules."""
+        retrier = self._retrier if retry_policy is None else Retrier(retry_policy)
+        if self._routing.sharded:
+            raise ValueError(
+                "subscribe_result_batches is not available on a sharded client (sharded"
+                " routers serve the merged feed in message form): use subscribe_groups"
+            )
+        route = self._routing.shard(0)
+
+        def open_call(
+            request: spb.SubscribeGroupsRequest,
+        ) -> grpc.aio.UnaryStreamCall[spb.SubscribeGroupsRequest, spb.SubscribeGroupsResponse]:
+            metadata = (*self._metadata, *route.headers)
+            return route.stubs.sessions.SubscribeGroups(request, metadata=metadata)
+
+        return follow_feed(
+            open_call,
+            batches_of,
+            after_cursor=after_cursor,
+            from_latest=from_latest,
+            retrier=retrier,
+            max_failed_connections=max_failed_connections,
+            on_retry=on_retry,
+            skip_degenerate=skip_degenerate,
+            on_skipped=on_skipped,
+            min_version=min_version,
+            columnar=True,
+        )
 
     # Group helpers ------------------------------------------------------------------------
 

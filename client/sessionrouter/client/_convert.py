@@ -8,10 +8,12 @@ become ``UNSPECIFIED`` rather than raising.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import TypeVar
 
+import numpy as np
+import numpy.typing as npt
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from sessionrouter.client import types
@@ -111,6 +113,7 @@ def session_from_proto(msg: resources_pb2.Session) -> types.Session:
         min_version=msg.min_version,
         max_version=msg.max_version,
         interrupted=msg.interrupted,
+        handle=msg.handle,
     )
 
 
@@ -180,6 +183,82 @@ def group_from_proto(msg: resources_pb2.Group) -> types.Group:
         shared_worker=msg.shared_worker,
         admitted_trainer_version=msg.admitted_trainer_version,
     )
+
+
+def result_batch_from_proto(msg: resources_pb2.GroupResultBatch) -> types.ResultBatch:
+    """A GroupResultBatch as NumPy arrays (one conversion per array, none per group)."""
+    return types.ResultBatch(
+        cursors=np.array(msg.cursors, dtype=np.uint64),
+        group_ids=tuple(msg.group_ids),
+        task_ids=tuple(msg.task_ids),
+        outcomes=np.array(msg.outcomes, dtype=np.uint8),
+        group_sizes=np.array(msg.group_sizes, dtype=np.uint32),
+        means=np.array(msg.means, dtype=np.float64),
+        stds=np.array(msg.stds, dtype=np.float64),
+        degenerate=np.array(msg.degenerate, dtype=np.bool_),
+        finalize_unix_nanos=np.array(msg.finalize_unix_nanos, dtype=np.int64),
+        estimators=tuple(estimator_from_proto(e) for e in msg.estimators),
+        estimator_of=np.array(msg.estimator_of, dtype=np.uint32),
+        member_offsets=np.array(msg.member_offsets or [0], dtype=np.int64),
+        member_indices=np.array(msg.member_indices, dtype=np.uint32),
+        rewards=np.array(msg.rewards, dtype=np.float64),
+        advantages=np.array(msg.advantages, dtype=np.float64),
+        filter_metrics=np.array(msg.filter_metrics, dtype=np.float64),
+        excluded_offsets=np.array(msg.excluded_offsets or [0], dtype=np.int64),
+        excluded_indices=np.array(msg.excluded_indices, dtype=np.uint32),
+        excluded_replaced=np.array(msg.excluded_replaced, dtype=np.bool_),
+        min_versions=np.array(msg.min_versions, dtype=np.uint64),
+        max_versions=np.array(msg.max_versions, dtype=np.uint64),
+        trainer_versions=np.array(msg.trainer_versions, dtype=np.uint64),
+        admitted_trainer_versions=np.array(msg.admitted_trainer_versions, dtype=np.uint64),
+    )
+
+
+def reward_ack_batch_from_proto(msg: session_service_pb2.RewardAck) -> types.RewardAckBatch:
+    return types.RewardAckBatch(
+        statuses=np.array(msg.statuses, dtype=np.uint8),
+        detail_entries=np.array(msg.detail_entries, dtype=np.int64),
+        details=tuple(msg.details),
+    )
+
+
+def reward_columns_to_proto(
+    handles: npt.ArrayLike | None,
+    rewards: npt.ArrayLike,
+    sessions: Sequence[str] | None,
+    filter_metrics: npt.ArrayLike | None,
+    min_versions: npt.ArrayLike | None = None,
+    max_versions: npt.ArrayLike | None = None,
+) -> session_service_pb2.RewardColumns:
+    """Arrays as RewardColumns; each given array must have one value per reward."""
+    values = np.asarray(rewards, dtype=np.float64).ravel()
+    columns = session_service_pb2.RewardColumns(rewards=values.tolist())
+    n = len(values)
+    if handles is not None:
+        ids = np.asarray(handles, dtype=np.uint64).ravel()
+        _check_length("handles", len(ids), n)
+        columns.handles.extend(ids.tolist())
+    if sessions is not None:
+        _check_length("sessions", len(sessions), n)
+        columns.sessions.extend(sessions)
+    if filter_metrics is not None:
+        metrics = np.asarray(filter_metrics, dtype=np.float64).ravel()
+        _check_length("filter_metrics", len(metrics), n)
+        columns.filter_metrics.extend(metrics.tolist())
+    for name, given, field in (
+        ("min_versions", min_versions, columns.min_versions),
+        ("max_versions", max_versions, columns.max_versions),
+    ):
+        if given is not None:
+            versions = np.asarray(given, dtype=np.uint64).ravel()
+            _check_length(name, len(versions), n)
+            field.extend(versions.tolist())
+    return columns
+
+
+def _check_length(name: str, length: int, n: int) -> None:
+    if length != n:
+        raise ValueError(f"{name} has {length} values for {n} rewards")
 
 
 def group_result_from_proto(msg: resources_pb2.GroupResult) -> types.GroupResult:
@@ -376,6 +455,7 @@ def session_to_proto(value: types.Session) -> resources_pb2.Session:
         min_version=value.min_version,
         max_version=value.max_version,
         interrupted=value.interrupted,
+        handle=value.handle,
     )
 
 

@@ -21,18 +21,25 @@ latest" again, so the groups finalized while it was away are delivered too.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Callable
-from typing import Protocol
+from collections.abc import AsyncGenerator, Callable, Iterable
+from typing import Protocol, TypeVar
 
 import grpc
 
 from sessionrouter.client import _convert
 from sessionrouter.client._errors import SessionRouterError, is_transient, map_rpc_errors
 from sessionrouter.client._retry import Retrier
-from sessionrouter.client.types import GroupResult
+from sessionrouter.client.types import GroupResult, ResultBatch
 from sessionrouter.v1 import session_service_pb2 as pb
 
-__all__ = ["AFTER_CURSOR_HEADER", "FeedRetryHook", "FeedSkipHook", "follow_feed"]
+__all__ = [
+    "AFTER_CURSOR_HEADER",
+    "FeedRetryHook",
+    "FeedSkipHook",
+    "batches_of",
+    "follow_feed",
+    "groups_of",
+]
 
 _log = logging.getLogger("sessionrouter.client.feed")
 
@@ -67,8 +74,38 @@ class _StreamEndedError(SessionRouterError):
     """The router ended the feed with OK: it is stopping (a serving router never does)."""
 
 
+T = TypeVar("T")
+
+Items = Callable[[pb.SubscribeGroupsResponse, int, bool], Iterable[tuple[int, T]]]
+"""What one feed message delivers, given the cursor delivered so far and whether
+``from_latest`` is still unresolved: (cursor of its last group, item) pairs."""
+
+
+def groups_of(
+    message: pb.SubscribeGroupsResponse, cursor: int, from_latest: bool
+) -> Iterable[tuple[int, GroupResult]]:
+    """The groups of a message as GroupResult values, those already delivered left out."""
+    for group in message.groups:  # several per message under load
+        if group.cursor <= cursor and not from_latest:
+            continue  # already delivered before a reconnect
+        yield group.cursor, _convert.group_result_from_proto(group)
+
+
+def batches_of(
+    message: pb.SubscribeGroupsResponse, cursor: int, from_latest: bool
+) -> Iterable[tuple[int, ResultBatch]]:
+    """The groups of a columnar message as one ResultBatch, those already delivered left out."""
+    if message.HasField("batch"):
+        batch = _convert.result_batch_from_proto(message.batch)
+        if not from_latest:
+            batch = batch.after(cursor)
+        if len(batch):
+            yield batch.last_cursor, batch
+
+
 async def follow_feed(
     open_call: Callable[[pb.SubscribeGroupsRequest], FeedCall],
+    items: Items[T],
     *,
     after_cursor: int,
     from_latest: bool,
@@ -78,9 +115,11 @@ async def follow_feed(
     skip_degenerate: bool = False,
     on_skipped: FeedSkipHook | None = None,
     min_version: int = 0,
-) -> AsyncGenerator[GroupResult, None]:
+    columnar: bool = False,
+) -> AsyncGenerator[T, None]:
     """Yields every group result after ``after_cursor`` (or after the newest, with
-    ``from_latest``), reconnecting whenever the stream is lost.
+    ``from_latest``), reconnecting whenever the stream is lost: as ``items`` makes them
+    from each message (``groups_of``, or ``batches_of`` with ``columnar``).
 
     Waits follow ``retrier.policy``'s backoff (RetryInfo first), growing with consecutive
     failed connections; a connection on which the router answered (its headers, or a group,
@@ -102,6 +141,7 @@ async def follow_feed(
             from_latest=from_latest,
             skip_degenerate=skip_degenerate,
             min_version=min_version,
+            columnar=columnar,
         )
         call = open_call(request)
         try:
@@ -125,11 +165,9 @@ async def follow_feed(
                     skipped = message.skipped_degenerate + message.skipped_groups
                     if covers_new and skipped and on_skipped is not None:
                         on_skipped(skipped, message.last_cursor)
-                    for group in message.groups:  # several per message under load
-                        if group.cursor <= cursor and not from_latest:
-                            continue  # already delivered before a reconnect
-                        cursor, from_latest, failures = group.cursor, False, 0
-                        yield _convert.group_result_from_proto(group)
+                    for last, item in items(message, cursor, from_latest):
+                        cursor, from_latest, failures = last, False, 0
+                        yield item
                     if covers_new:
                         # Skipped groups after the last one delivered: resume past them.
                         cursor = max(cursor, message.last_cursor)

@@ -25,12 +25,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
 
 import grpc
+import numpy as np
+import numpy.typing as npt
 
 from sessionrouter.client import _convert
 from sessionrouter.client._errors import (
@@ -41,7 +43,13 @@ from sessionrouter.client._errors import (
     map_rpc_errors,
 )
 from sessionrouter.client._retry import Retrier
-from sessionrouter.client.types import GroupResult, Replacement, RewardResult
+from sessionrouter.client.types import (
+    GroupResult,
+    Replacement,
+    ResultBatch,
+    RewardAckBatch,
+    RewardResult,
+)
 from sessionrouter.v1 import resources_pb2
 from sessionrouter.v1 import session_service_pb2 as pb
 
@@ -62,6 +70,18 @@ MAX_ENTRIES_PER_REQUEST = 4096
 class _Pending:
     entry: pb.RewardEntry
     future: asyncio.Future[RewardResult]
+
+
+@dataclass(slots=True)
+class _Columns:
+    """One request's worth of rewards given as arrays: sent as one columnar request."""
+
+    columns: pb.RewardColumns
+    count: int
+    future: asyncio.Future[RewardAckBatch]
+
+
+_Queued = _Pending | _Columns
 
 
 class _End:
@@ -88,6 +108,7 @@ class RewardStream:
         close_timeout: float | None = 10.0,
         retrier: Retrier | None = None,
         on_replacement: ReplacementHook | None = None,
+        columnar_results: bool = False,
     ) -> None:
         """
         Args:
@@ -106,6 +127,9 @@ class RewardStream:
                 a ``replace_lost`` group was replaced); the router sends them to every open
                 stream, so a notice may be about a group another trainer runs. A notice sent
                 while the stream was lost is not resent: ``get_group`` shows the new member.
+            columnar_results: ask the router for group results as flat arrays: read them
+                with ``result_batches()`` (``ResultBatch``, no object per group); ``results()``
+                and ``watch_group`` still work, building the typed view of each group.
         """
         if not 1 <= max_batch <= MAX_ENTRIES_PER_REQUEST:
             raise ValueError(f"max_batch must be 1 to {MAX_ENTRIES_PER_REQUEST}, got {max_batch}")
@@ -118,18 +142,19 @@ class RewardStream:
         self._close_timeout = close_timeout
         self._retrier = retrier
         self._on_replacement = on_replacement
+        self._columnar_results = columnar_results
         self._failures = 0
         """Streams lost in a row, without an ack in between."""
         self._call: RewardCall | None = None
-        self._queued: list[_Pending] = []
-        self._inflight: dict[int, list[_Pending]] = {}
+        self._queued: list[_Queued] = []
+        self._inflight: dict[int, list[_Queued]] = {}
         self._sequence = itertools.count(1)
         self._has_work = asyncio.Event()
         self._batch_full = asyncio.Event()
         self._closing = False
         self._failure: SessionRouterError | None = None
         self._closed_by_us = False
-        self._results: asyncio.Queue[GroupResult | _End] = asyncio.Queue()
+        self._results: asyncio.Queue[GroupResult | ResultBatch | _End] = asyncio.Queue()
         self._group_watchers: dict[str, list[asyncio.Future[GroupResult]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -210,6 +235,57 @@ class RewardStream:
             results.append(outcome)
         return results
 
+    async def submit_arrays(
+        self,
+        handles: npt.ArrayLike | None,
+        rewards: npt.ArrayLike,
+        *,
+        sessions: Sequence[str] | None = None,
+        filter_metrics: npt.ArrayLike | None = None,
+        min_versions: npt.ArrayLike | None = None,
+        max_versions: npt.ArrayLike | None = None,
+    ) -> RewardAckBatch:
+        """Submits rewards given as arrays, in columnar requests (no object per reward):
+        ``handles`` (n,) session handles (``Session.handle``) and/or ``sessions`` (n,) names,
+        ``rewards`` (n,) float64, ``filter_metrics`` (n,) float64 or None,
+        ``min_versions``/``max_versions`` (n,) uint64 or None (see ``submit``). Each entry is
+        checked as ``submit`` would check it, and gets the same status. More than 4096
+        rewards go in several requests; the answer covers them all, in order. Raises
+        ValueError for arrays of unequal lengths, and the stream's error if it died before
+        the rewards were acknowledged."""
+        columns = _convert.reward_columns_to_proto(
+            handles, rewards, sessions, filter_metrics, min_versions, max_versions
+        )
+        n = len(columns.rewards)
+        if n == 0:
+            raise ValueError("submit_arrays needs at least one reward")
+        if n <= MAX_ENTRIES_PER_REQUEST:
+            return await self._enqueue_columns(columns, n)
+        parts = []
+        for start in range(0, n, MAX_ENTRIES_PER_REQUEST):
+            end = min(n, start + MAX_ENTRIES_PER_REQUEST)
+            part = pb.RewardColumns(rewards=columns.rewards[start:end])
+            if columns.handles:
+                part.handles.extend(columns.handles[start:end])
+            if columns.sessions:
+                part.sessions.extend(columns.sessions[start:end])
+            if columns.filter_metrics:
+                part.filter_metrics.extend(columns.filter_metrics[start:end])
+            if columns.min_versions:
+                part.min_versions.extend(columns.min_versions[start:end])
+            if columns.max_versions:
+                part.max_versions.extend(columns.max_versions[start:end])
+            parts.append(self._enqueue_columns(part, end - start))
+        acks = await asyncio.gather(*parts)
+        offsets = np.cumsum([0, *(len(a) for a in acks[:-1])])
+        return RewardAckBatch(
+            statuses=np.concatenate([a.statuses for a in acks]),
+            detail_entries=np.concatenate(
+                [a.detail_entries + off for a, off in zip(acks, offsets, strict=True)]
+            ),
+            details=tuple(d for a in acks for d in a.details),
+        )
+
     def watch_group(self, group_id: str) -> asyncio.Future[GroupResult]:
         """A future for the result of ``group_id``, if it arrives on this stream.
 
@@ -239,6 +315,24 @@ class RewardStream:
         Requires ``keep_results=True``. Raises the stream's error at the end if the stream
         failed rather than closed. Meant for one consumer.
         """
+        async for item in self._kept():
+            if isinstance(item, ResultBatch):
+                for group in item.groups:
+                    yield group
+            else:
+                yield item
+
+    async def result_batches(self) -> AsyncIterator[ResultBatch]:
+        """The group results that arrive on this stream as ``ResultBatch`` arrays, one per
+        response message, until it ends. Requires ``columnar_results=True`` and
+        ``keep_results=True``; meant for one consumer, instead of ``results()``."""
+        if not self._columnar_results:
+            raise RuntimeError("this RewardStream was opened without columnar_results")
+        async for item in self._kept():
+            if isinstance(item, ResultBatch):
+                yield item
+
+    async def _kept(self) -> AsyncIterator[GroupResult | ResultBatch]:
         if not self._keep_results:
             raise RuntimeError("this RewardStream was opened with keep_results=False")
         while True:
@@ -252,19 +346,30 @@ class RewardStream:
 
     # Internals ------------------------------------------------------------------------------
 
-    def _enqueue_nowait(self, entry: pb.RewardEntry) -> asyncio.Future[RewardResult]:
+    def _check_open(self) -> None:
         if self._call is None:
             raise RuntimeError("use the RewardStream inside `async with`")
         if self._failure is not None and not self._closed_by_us:
             raise self._failure
         if self._closing:
             raise StreamClosedError("the reward stream is closed or closing")
+
+    def _enqueue_nowait(self, entry: pb.RewardEntry) -> asyncio.Future[RewardResult]:
+        self._check_open()
         future: asyncio.Future[RewardResult] = asyncio.get_running_loop().create_future()
         self._queued.append(_Pending(entry, future))
         self._has_work.set()
         if len(self._queued) >= self._max_batch:
             self._batch_full.set()
         return future
+
+    async def _enqueue_columns(self, columns: pb.RewardColumns, count: int) -> RewardAckBatch:
+        self._check_open()
+        future: asyncio.Future[RewardAckBatch] = asyncio.get_running_loop().create_future()
+        self._queued.append(_Columns(columns, count, future))
+        self._has_work.set()
+        self._batch_full.set()  # a request of its own: nothing to wait for
+        return await future
 
     async def _enqueue(self, entry: pb.RewardEntry) -> RewardResult:
         return await self._enqueue_nowait(entry)
@@ -363,7 +468,12 @@ class RewardStream:
                         break
                     self._has_work.clear()
                     continue
-                if not backlog and len(self._queued) < self._max_batch and not self._closing:
+                if (
+                    not backlog
+                    and len(self._queued) < self._max_batch
+                    and not self._closing
+                    and isinstance(self._queued[0], _Pending)
+                ):
                     # Let concurrent submitters join this batch for up to max_delay.
                     self._batch_full.clear()
                     try:
@@ -371,8 +481,7 @@ class RewardStream:
                             await self._batch_full.wait()
                     except TimeoutError:
                         pass
-                batch = self._queued[: self._max_batch]
-                del self._queued[: self._max_batch]
+                batch = self._take_batch()
                 # Entries left over already waited a window: the next batch goes at once.
                 backlog = bool(self._queued)
                 if not self._queued and not self._closing:
@@ -382,9 +491,15 @@ class RewardStream:
                     continue
                 sequence = next(self._sequence)
                 self._inflight[sequence] = live
-                request = pb.SubmitRewardsRequest(
-                    entries=[p.entry for p in live], sequence=sequence
-                )
+                head = live[0]
+                if isinstance(head, _Columns):
+                    request = pb.SubmitRewardsRequest(columns=head.columns, sequence=sequence)
+                else:
+                    request = pb.SubmitRewardsRequest(
+                        entries=[p.entry for p in live if isinstance(p, _Pending)],
+                        sequence=sequence,
+                    )
+                request.columnar_results = self._columnar_results
                 with map_rpc_errors():
                     await call.write(request)
             with map_rpc_errors():
@@ -395,6 +510,19 @@ class RewardStream:
             return
         except Exception as error:
             self._abort(_unexpected(error))
+
+    def _take_batch(self) -> list[_Queued]:
+        """The next request's worth of the queue: one array submission alone, or up to
+        ``max_batch`` single entries (up to the next array submission)."""
+        queued = self._queued
+        if isinstance(queued[0], _Columns):
+            return [queued.pop(0)]
+        end = 0
+        while end < len(queued) and end < self._max_batch and isinstance(queued[end], _Pending):
+            end += 1
+        batch = queued[:end]
+        del queued[:end]
+        return batch
 
     async def _read_loop(self, call: RewardCall) -> SessionRouterError | None:
         """Reads ``call`` to its end; returns why it was lost, or None when it ended the
@@ -412,6 +540,8 @@ class RewardStream:
                         self._on_ack(message.ack)
                     for group_result in message.group_results:
                         self._on_group_result(group_result)
+                    if message.HasField("result_batch"):
+                        self._on_result_batch(message.result_batch)
                     for notice in message.replacements:
                         self._on_replacement_notice(notice)
             self._abort(
@@ -432,6 +562,18 @@ class RewardStream:
         pending = self._inflight.pop(ack.sequence, None)
         if pending is None:
             raise InternalError(f"ack for unknown sequence {ack.sequence}")
+        head = pending[0]
+        if isinstance(head, _Columns):
+            if len(ack.statuses) != head.count:
+                error = InternalError(
+                    f"ack {ack.sequence} has {len(ack.statuses)} statuses for {head.count} entries"
+                )
+                if not head.future.done():
+                    head.future.set_exception(error)
+                raise error
+            if not head.future.done():
+                head.future.set_result(_convert.reward_ack_batch_from_proto(ack))
+            return
         if len(ack.results) != len(pending):
             error = InternalError(
                 f"ack {ack.sequence} has {len(ack.results)} results for {len(pending)} entries"
@@ -442,6 +584,7 @@ class RewardStream:
             raise error
         for p, result in zip(pending, ack.results, strict=True):
             if not p.future.done():
+                assert isinstance(p, _Pending)
                 p.future.set_result(_convert.reward_result_from_proto(result))
 
     def _on_group_result(self, message: resources_pb2.GroupResult) -> None:
@@ -451,6 +594,21 @@ class RewardStream:
                 future.set_result(result)
         if self._keep_results:
             self._results.put_nowait(result)
+
+    def _on_result_batch(self, message: resources_pb2.GroupResultBatch) -> None:
+        if not self._keep_results and not self._group_watchers:
+            return  # nobody reads it here (it is on the feed): not even converted
+        batch = _convert.result_batch_from_proto(message)
+        if self._group_watchers:
+            for g, group_id in enumerate(batch.group_ids):
+                watchers = self._group_watchers.pop(group_id, [])
+                if watchers:
+                    result = batch.group(g)
+                    for future in watchers:
+                        if not future.done():
+                            future.set_result(result)
+        if self._keep_results and len(batch):
+            self._results.put_nowait(batch)
 
     def _on_replacement_notice(self, message: pb.MemberReplaced) -> None:
         if self._on_replacement is None:

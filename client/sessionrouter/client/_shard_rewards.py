@@ -24,7 +24,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from types import TracebackType
-from typing import Self
+from typing import Any, NoReturn, Self
 
 from sessionrouter.client._errors import SessionRouterError, StreamClosedError
 from sessionrouter.client._rewards import RewardStream
@@ -216,6 +216,21 @@ class ShardedRewardStream(RewardStream):
                 ended += 1
                 continue
             yield item
+
+    async def submit_arrays(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Not over shards: a handle is its shard's own numbering, so it names no group to
+        route by. Submit by name (``submit_many``), or keep one client per shard for the
+        columnar form."""
+        raise NotImplementedError(
+            "submit_arrays is not available on a sharded client: handles do not name their"
+            " group's shard; use submit_many, or one client per shard"
+        )
+
+    async def result_batches(self) -> NoReturn:  # type: ignore[override]
+        """Not over shards (see ``submit_arrays``); ``results()`` merges every shard's."""
+        raise NotImplementedError(
+            "result_batches is not available on a sharded client; use results()"
+        )
 
     # Internals ------------------------------------------------------------------------------
 

@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
+import numpy as np
 from google.protobuf import duration_pb2, timestamp_pb2
+from numpy.typing import NDArray
 
 from sessionrouter.server.core import feed, groups, placement, rewards, router, staleness
 from sessionrouter.server.core.commands import NO_OPTIONS
 from sessionrouter.server.core.errors import InvalidArgument
 from sessionrouter.server.core.estimators import EstimatorParams
-from sessionrouter.server.core.streams import MemberReplaced
-from sessionrouter.server.core.validation import session_name
+from sessionrouter.server.core.rewards import (
+    BatchOutcome,
+    RewardBatch,
+    RewardOutcome,
+    reward_columns,
+)
+from sessionrouter.server.core.streams import MemberReplaced, RewardAck
+from sessionrouter.server.core.validation import session_handle, session_name
 from sessionrouter.server.core.workers import WorkerRecord
 from sessionrouter.v1 import resources_pb2 as pb
 from sessionrouter.v1 import session_service_pb2 as spb
@@ -127,6 +136,8 @@ def fill_session(
         msg.max_version = s.max_version
     if s.interrupted:
         msg.interrupted = True
+    if group is not None:
+        msg.handle = session_handle(group.seq, s.index)
     if s.reward is not None:
         msg.reward = s.reward
     if s.filter_metric is not None:
@@ -206,6 +217,172 @@ def result_to_proto(r: feed.GroupResult) -> pb.GroupResult:
         trainer_version=r.trainer_version,
         admitted_trainer_version=r.admitted_version,
     )
+
+
+def results_to_batch(results: Sequence[feed.GroupResult]) -> pb.GroupResultBatch:
+    """Group results as one GroupResultBatch: flat arrays with offsets (see the proto), built
+    column by column, with no message per group or per member."""
+    cursors, group_ids, task_ids, outcomes, sizes = [], [], [], [], []
+    means, stds, degenerate, finalize = [], [], [], []
+    min_versions, max_versions, trainer_versions, admitted = [], [], [], []
+    estimators: dict[EstimatorParams, int] = {}
+    estimator_of: list[int] = []
+    member_offsets, excluded_offsets = [0], [0]
+    indices: list[int] = []
+    excluded: list[int] = []
+    replaced: list[bool] = []
+    rewards: list[NDArray[np.float64]] = []
+    advantages: list[NDArray[np.float64]] = []
+    metrics: list[NDArray[np.float64]] = []
+    any_metrics = False
+    counted = 0
+    last_estimator, last_position = None, 0
+    for r in results:
+        cursors.append(r.cursor)
+        group_ids.append(r.group_id)
+        task_ids.append(r.task_id)
+        outcomes.append(_OUTCOME[r.outcome])
+        sizes.append(r.group_size)
+        means.append(r.mean)
+        stds.append(r.std)
+        degenerate.append(r.degenerate)
+        finalize.append(int(r.finalize_time * 1e9))
+        min_versions.append(r.min_version)
+        max_versions.append(r.max_version)
+        trainer_versions.append(r.trainer_version)
+        admitted.append(r.admitted_version)
+        if r.estimator is not last_estimator:  # hashing the params costs more than this test
+            last_estimator = r.estimator
+            last_position = estimators.setdefault(r.estimator, len(estimators))
+        estimator_of.append(last_position)
+        prefix = len(r.group_id) + 17  # len("groups/" + group_id + "/sessions/")
+        n = len(r.sessions)
+        if n == r.group_size and not r.excluded_sessions:
+            indices.extend(range(n))  # every member counts: the indices are 0 to n - 1
+        else:
+            indices.extend([int(name[prefix:]) for name in r.sessions])
+        counted += n
+        member_offsets.append(counted)
+        rewards.append(r.rewards)
+        advantages.append(r.advantages if len(r.advantages) == n else np.zeros(n))
+        if len(r.filter_metrics) == n and n:
+            metrics.append(r.filter_metrics)
+            any_metrics = True
+        else:
+            metrics.append(np.full(n, np.nan))
+        if r.excluded_sessions:
+            gone = set(r.replaced_sessions)
+            excluded.extend([int(name[prefix:]) for name in r.excluded_sessions])
+            replaced.extend([name in gone for name in r.excluded_sessions])
+        excluded_offsets.append(len(excluded))
+    batch = pb.GroupResultBatch(
+        cursors=cursors,
+        group_ids=group_ids,
+        task_ids=task_ids,
+        outcomes=outcomes,
+        group_sizes=sizes,
+        means=means,
+        stds=stds,
+        degenerate=degenerate,
+        finalize_unix_nanos=finalize,
+        estimators=[estimator_to_proto(p) for p in estimators],
+        estimator_of=estimator_of,
+        member_offsets=member_offsets,
+        member_indices=indices,
+        excluded_offsets=excluded_offsets,
+        excluded_indices=excluded,
+        excluded_replaced=replaced,
+        min_versions=min_versions,
+        max_versions=max_versions,
+        trainer_versions=trainer_versions,
+        admitted_trainer_versions=admitted,
+    )
+    if results:
+        batch.rewards.extend(np.concatenate(rewards).tolist())
+        batch.advantages.extend(np.concatenate(advantages).tolist())
+        if any_metrics:
+            batch.filter_metrics.extend(np.concatenate(metrics).tolist())
+    return batch
+
+
+def reward_batch_from_proto(request: spb.SubmitRewardsRequest) -> RewardBatch:
+    """One request's entries as a RewardBatch, from either form. Both forms in one request is
+    InvalidArgument MIXED_ENTRY_FORMS; columns of unequal lengths COLUMN_LENGTH_MISMATCH."""
+    if request.HasField("columns"):
+        if request.entries:
+            raise InvalidArgument(
+                "MIXED_ENTRY_FORMS",
+                f"a request carries {len(request.entries)} entries and columns: use one form",
+                metadata={"entries": len(request.entries)},
+                field_violations=[("columns", "must be unset when entries are given")],
+            )
+        columns = request.columns
+        return reward_columns(
+            list(columns.rewards),
+            list(columns.sessions),
+            list(columns.handles),
+            list(columns.filter_metrics),
+            list(columns.min_versions),
+            list(columns.max_versions),
+        )
+    entries = request.entries
+    has_metric = [e.HasField("filter_metric") for e in entries]
+    handles = [e.handle for e in entries]
+    lows = [e.min_version for e in entries]
+    highs = [e.max_version for e in entries]
+    versioned = any(lows) or any(highs)
+    return RewardBatch(
+        min_versions=lows if versioned else None,
+        max_versions=highs if versioned else None,
+        rewards=[e.reward for e in entries],
+        names=[e.session for e in entries],
+        handles=handles if any(handles) else None,
+        metrics=[e.filter_metric for e in entries] if any(has_metric) else None,
+        has_metric=has_metric if any(has_metric) else None,
+    )
+
+
+_ACCEPTED_RESULT = spb.RewardResult(status=spb.REWARD_STATUS_ACCEPTED)
+
+
+def ack_to_proto(ack: RewardAck) -> spb.RewardAck:
+    """An ack in the form of its request: packed statuses and the details of the entries not
+    accepted for a columnar request, one RewardResult per entry otherwise."""
+    results = ack.results
+    if isinstance(results, BatchOutcome):
+        if results.columnar:
+            return spb.RewardAck(
+                sequence=ack.sequence,
+                statuses=bytes(results.codes),  # type: ignore[arg-type]
+                detail_entries=results.detail_entries,
+                details=results.details,
+            )
+        messages = [_ACCEPTED_RESULT] * len(results)
+        for i, code, detail in zip(
+            results.detail_entries,
+            (results.codes[i] for i in results.detail_entries),
+            results.details,
+            strict=True,
+        ):
+            messages[i] = spb.RewardResult(status=code, detail=detail)  # type: ignore[arg-type]
+        for i, (shard, address) in (results.owners or {}).items():
+            messages[i].owner_shard = shard  # WRONG_SHARD: where the entry belongs
+            messages[i].owner_address = address
+        return spb.RewardAck(sequence=ack.sequence, results=messages)
+    return spb.RewardAck(
+        sequence=ack.sequence,
+        results=[_reward_result(r) for r in results],
+    )
+
+
+def _reward_result(r: RewardOutcome) -> spb.RewardResult:
+    if r.status is rewards.RewardStatus.ACCEPTED and not r.detail:
+        return _ACCEPTED_RESULT
+    result = spb.RewardResult(status=REWARD_STATUS[r.status], detail=r.detail)
+    if r.owner_shard is not None:  # WRONG_SHARD: where the entry belongs
+        result.owner_shard = r.owner_shard
+        result.owner_address = r.owner_address
+    return result
 
 
 def replacement_to_proto(notice: MemberReplaced) -> spb.MemberReplaced:

@@ -23,16 +23,16 @@ import grpc
 from sessionrouter.server import convert, paging
 from sessionrouter.server.core.errors import RouterError, Unavailable
 from sessionrouter.server.core.feed import GroupResult
+from sessionrouter.server.core.rewards import RewardBatch
 from sessionrouter.server.core.router import SessionRouter
 from sessionrouter.server.core.sizes import MESSAGE_BUDGET_BYTES
 from sessionrouter.server.core.streams import (
     Commit,
-    Entries,
-    Entry,
     MemberReplaced,
     RewardAck,
     RewardFlow,
     StreamEvent,
+    event_bytes,
     no_journal,
 )
 from sessionrouter.server.status import Refusals
@@ -95,48 +95,69 @@ class _Refusing:
             await self._abort(context, error)
 
 
-def _entry(e: spb.RewardEntry) -> Entry:
-    """A reward entry as the core takes it: the filter metric only when given, the versions
-    only when one of them is set."""
-    metric = e.filter_metric if e.HasField("filter_metric") else None
-    if e.min_version or e.max_version:
-        return (e.session, e.reward, metric, e.min_version, e.max_version)
-    if metric is not None:
-        return (e.session, e.reward, metric)
-    return (e.session, e.reward)
+class _StreamForm:
+    """How one SubmitRewards stream wants its group results: set by its requests, read when
+    its responses are packed."""
+
+    __slots__ = ("columnar_results",)
+
+    def __init__(self) -> None:
+        self.columnar_results = False
 
 
 async def _reward_requests(
-    requests: AsyncIterable[spb.SubmitRewardsRequest],
-) -> AsyncIterator[tuple[int, Entries]]:
-    """The requests of a SubmitRewards stream as the core's (sequence, entries) pairs."""
+    requests: AsyncIterable[spb.SubmitRewardsRequest], form: _StreamForm
+) -> AsyncIterator[tuple[int, RewardBatch]]:
+    """The requests of a SubmitRewards stream as the core's (sequence, batch) pairs; a
+    malformed request raises here, inside the flow, after the acks of the ones before it."""
     async for request in requests:
-        yield (
-            request.sequence,
-            [_entry(e) for e in request.entries],
-        )
+        if request.columnar_results:
+            form.columnar_results = True
+        yield request.sequence, convert.reward_batch_from_proto(request)
 
 
-def _pack_stream_events(events: list[StreamEvent]) -> list[spb.SubmitRewardsResponse]:
+def _pack_stream_events(
+    events: list[StreamEvent], columnar_results: bool = False
+) -> list[spb.SubmitRewardsResponse]:
     """Packs queued stream events into as few messages as the contract allows: each ack
     opens a message, and the group results after it ride along (at most
-    RESULTS_PER_MESSAGE per message)."""
+    RESULTS_PER_MESSAGE per message as GroupResult messages; as one GroupResultBatch per
+    message in columnar form, bounded by the byte budget only)."""
     messages: list[spb.SubmitRewardsResponse] = []
     current: spb.SubmitRewardsResponse | None = None
     size = 0
+    pending: list[GroupResult] = []
+
+    def flush() -> None:
+        if pending:
+            assert current is not None
+            current.result_batch.CopyFrom(convert.results_to_batch(pending))
+            pending.clear()
+
     for event in events:
         if isinstance(event, RewardAck):
-            current = spb.SubmitRewardsResponse(ack=_ack_to_proto(event))
+            flush()
+            current = spb.SubmitRewardsResponse(ack=convert.ack_to_proto(event))
             messages.append(current)
             size = current.ByteSize()
         elif isinstance(event, MemberReplaced):
             replacement = convert.replacement_to_proto(event)
             grows = replacement.ByteSize() + 8  # the field's tag and length
             if current is None or (size + grows > MESSAGE_BYTE_BUDGET and size > 0):
+                flush()
                 current = spb.SubmitRewardsResponse()
                 messages.append(current)
                 size = 0
             current.replacements.append(replacement)
+            size += grows
+        elif columnar_results:
+            grows = event_bytes(event)  # an upper estimate: no message is built to measure
+            if current is None or (size + grows > MESSAGE_BYTE_BUDGET and size > 0):
+                flush()
+                current = spb.SubmitRewardsResponse()
+                messages.append(current)
+                size = 0
+            pending.append(event)
             size += grows
         else:
             result = convert.result_to_proto(event)
@@ -151,18 +172,25 @@ def _pack_stream_events(events: list[StreamEvent]) -> list[spb.SubmitRewardsResp
                 size = 0
             current.group_results.append(result)
             size += grows
+    flush()
     return messages
 
 
 def _feed_messages(
-    batch: list[GroupResult], skip_degenerate: bool, min_version: int = 0
+    batch: list[GroupResult],
+    skip_degenerate: bool,
+    min_version: int = 0,
+    columnar: bool = False,
 ) -> list[spb.SubscribeGroupsResponse]:
     """One read batch (cursor order) as feed messages of at most MESSAGE_BYTE_BUDGET bytes
     each. A group older than ``min_version`` (its min_version below it) is skipped and
     counted in ``skipped_groups``; otherwise, with ``skip_degenerate``, a degenerate group is
     skipped and counted in ``skipped_degenerate`` (so a group is counted once). Each message
     names the last cursor it covers, skipped ones included; a batch gives at least one
-    message, so a trainer that skips every group still sees its cursor move."""
+    message, so a trainer that skips every group still sees its cursor move. ``columnar``
+    puts each message's groups in one GroupResultBatch."""
+    if columnar:
+        return _columnar_feed_messages(batch, skip_degenerate, min_version)
     messages: list[spb.SubscribeGroupsResponse] = []
     current = spb.SubscribeGroupsResponse()
     size = 0
@@ -187,19 +215,38 @@ def _feed_messages(
     return messages
 
 
-def _ack_to_proto(ack: RewardAck) -> spb.RewardAck:
-    reply = spb.RewardAck(
-        sequence=ack.sequence,
-        results=[
-            spb.RewardResult(status=convert.REWARD_STATUS[r.status], detail=r.detail)
-            for r in ack.results
-        ],
-    )
-    for result, outcome in zip(reply.results, ack.results, strict=True):
-        if outcome.owner_shard is not None:  # WRONG_SHARD: where the entry belongs
-            result.owner_shard = outcome.owner_shard
-            result.owner_address = outcome.owner_address
-    return reply
+def _columnar_feed_messages(
+    batch: list[GroupResult], skip_degenerate: bool, min_version: int
+) -> list[spb.SubscribeGroupsResponse]:
+    """``_feed_messages`` in columnar form: the byte budget is kept with upper estimates
+    (``core.sizes``), since no per-group message is built to measure."""
+    messages: list[spb.SubscribeGroupsResponse] = []
+    groups: list[GroupResult] = []
+    stale = skipped = size = covered = 0
+
+    def close() -> None:
+        message = spb.SubscribeGroupsResponse(
+            skipped_degenerate=skipped, skipped_groups=stale, last_cursor=covered
+        )
+        if groups:
+            message.batch.CopyFrom(convert.results_to_batch(groups))
+        messages.append(message)
+
+    for group in batch:
+        if min_version and group.min_version < min_version:
+            stale += 1
+        elif skip_degenerate and group.degenerate:
+            skipped += 1
+        else:
+            grows = event_bytes(group)
+            if groups and size + grows > MESSAGE_BYTE_BUDGET:
+                close()
+                groups, stale, skipped, size = [], 0, 0, 0
+            groups.append(group)
+            size += grows
+        covered = group.cursor
+    close()
+    return messages
 
 
 class WorkerServicer(_Refusing, wpb_grpc.WorkerServiceServicer):
@@ -451,12 +498,13 @@ class SessionServicer(_Refusing, spb_grpc.SessionServiceServicer):
     ) -> AsyncIterator[spb.SubmitRewardsResponse]:
         if self._draining:
             await self._abort(context, self._draining_error("reward stream"))
-        stream = RewardFlow(self._router.submit_rewards, self._commit)
+        stream = RewardFlow(self._router.submit_batch, self._commit)
         self._reward_flows.add(stream)
-        reader = asyncio.create_task(stream.read(_reward_requests(request_iterator)))
+        form = _StreamForm()
+        reader = asyncio.create_task(stream.read(_reward_requests(request_iterator, form)))
         try:
             async for batch in stream.batches():
-                for response in _pack_stream_events(batch):
+                for response in _pack_stream_events(batch, form.columnar_results):
                     yield response
             if reader.cancelled():
                 # Only drain() cancels a running intake (and so its reader).
@@ -494,7 +542,9 @@ class SessionServicer(_Refusing, spb_grpc.SessionServiceServicer):
                     if not await feed.wait_beyond(cursor):
                         await self._abort(context, self._draining_error("group feed", cursor))
                     continue
-                for message in _feed_messages(batch, request.skip_degenerate, request.min_version):
+                for message in _feed_messages(
+                    batch, request.skip_degenerate, request.min_version, request.columnar
+                ):
                     yield message
                 cursor = subscription.cursor = batch[-1].cursor
         finally:

@@ -10,7 +10,10 @@
 //     session) and a NaN reward along the way, check every entry's status, and check the
 //     group_result's advantages against GRPO computed here (ddof 1, eps 1e-6), and its
 //     versions (min and max policy version 3, trainer version 2);
-//  5. deregister the workers.
+//  5. start a second group with StartGroup and submit its rewards in columnar form (one
+//     RewardColumns of session handles, an unknown handle along the way), check the packed
+//     statuses of the ack, and read the group's result from a GroupResultBatch;
+//  6. deregister the workers.
 //
 // Every call about the group carries the x-group-id header, so the scenario also runs through
 // a proxy that maps groups to shards (nginx hashing $http_x_group_id): worker calls name no
@@ -117,7 +120,17 @@ func run(addr string) (err error) {
 		return err
 	}
 
-	return submitRewards(groupCtx, sessions, groupID, members)
+	if err := submitRewards(groupCtx, sessions, groupID, members); err != nil {
+		return err
+	}
+	// The columnar group is another group, so possibly another shard: its calls carry its own
+	// x-group-id, and its shard hears the trainer version too (the same version again is a no-op).
+	columnarID := groupID + "-columnar"
+	columnarCtx := metadata.AppendToOutgoingContext(ctx, "x-group-id", columnarID)
+	if _, err := sessions.SetTrainerState(columnarCtx, &pb.SetTrainerStateRequest{Version: trainerVersion}); err != nil {
+		return fmt.Errorf("SetTrainerState for the columnar group: %w", err)
+	}
+	return submitColumnar(columnarCtx, sessions, columnarID, taskID)
 }
 
 // startGroup forms the group through groupSize concurrent StartSession calls and returns the
@@ -338,4 +351,110 @@ func randomID() string {
 		panic(err)
 	}
 	return hex.EncodeToString(b)
+}
+
+// submitColumnar starts a group with StartGroup and submits its rewards as one columnar
+// request by session handle, with an unknown handle at position 1; it checks the ack's packed
+// statuses (details only for the entry not accepted) and the group's result, read from the
+// GroupResultBatch of the stream (columnar_results).
+func submitColumnar(ctx context.Context, sessions pb.SessionServiceClient, groupID, taskID string) error {
+	started, err := sessions.StartGroup(ctx, &pb.StartGroupRequest{
+		TaskId: taskID, GroupId: proto.String(groupID), GroupSize: groupSize,
+	})
+	if err != nil {
+		return fmt.Errorf("StartGroup %s: %w", groupID, err)
+	}
+	members := started.GetGroup().GetMembers()
+	handles := []uint64{members[0].GetHandle(), members[0].GetHandle() + 1000}
+	values := []float64{rewards[0], 0.5}
+	for i := 1; i < groupSize; i++ {
+		handles = append(handles, members[i].GetHandle())
+		values = append(values, rewards[i])
+	}
+	stream, err := sessions.SubmitRewards(ctx)
+	if err != nil {
+		return fmt.Errorf("SubmitRewards: %w", err)
+	}
+	request := &pb.SubmitRewardsRequest{
+		Columns:         &pb.RewardColumns{Handles: handles, Rewards: values},
+		Sequence:        1,
+		ColumnarResults: true,
+	}
+	if err := stream.Send(request); err != nil {
+		return fmt.Errorf("SubmitRewards send: %w", err)
+	}
+	if err := stream.CloseSend(); err != nil {
+		return fmt.Errorf("SubmitRewards close: %w", err)
+	}
+	accepted := pb.RewardStatus_REWARD_STATUS_ACCEPTED
+	want := []pb.RewardStatus{accepted, pb.RewardStatus_REWARD_STATUS_UNKNOWN_SESSION, accepted, accepted, accepted}
+	var result *pb.GroupResult
+	acked := false
+	for {
+		resp, err := stream.Recv()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return fmt.Errorf("SubmitRewards receive: %w", err)
+		}
+		if ack := resp.GetAck(); ack != nil {
+			acked = true
+			statuses := ack.GetStatuses()
+			if len(statuses) != len(want) || len(ack.GetResults()) != 0 {
+				return fmt.Errorf("columnar ack has %d statuses and %d results, want %d statuses",
+					len(statuses), len(ack.GetResults()), len(want))
+			}
+			for i, s := range statuses {
+				if s != want[i] {
+					return fmt.Errorf("columnar ack entry %d: status %v, want %v", i, s, want[i])
+				}
+			}
+			if len(ack.GetDetailEntries()) != 1 || ack.GetDetailEntries()[0] != 1 || len(ack.GetDetails()) != 1 {
+				return fmt.Errorf("columnar ack details %v %q, want one for entry 1",
+					ack.GetDetailEntries(), ack.GetDetails())
+			}
+			fmt.Printf("columnar ack: statuses %v, entry 1: %q\n", statuses, ack.GetDetails()[0])
+		}
+		if len(resp.GetGroupResults()) != 0 {
+			return errors.New("a GroupResult message on a stream that asked for columnar results")
+		}
+		if batch := resp.GetResultBatch(); batch != nil && len(batch.GetGroupIds()) > 0 {
+			if result != nil || len(batch.GetGroupIds()) != 1 || !acked {
+				return fmt.Errorf("unexpected result batch %v", batch.GetGroupIds())
+			}
+			result = fromBatch(batch, 0)
+		}
+	}
+	if result == nil {
+		return errors.New("no GroupResultBatch on the SubmitRewards stream")
+	}
+	fmt.Printf("columnar result: ")
+	return checkResult(result, groupID, members)
+}
+
+// fromBatch reads group g of a GroupResultBatch: its members are the entries
+// member_offsets[g] to member_offsets[g+1]-1 of the per-member arrays.
+func fromBatch(batch *pb.GroupResultBatch, g int) *pb.GroupResult {
+	lo, hi := batch.GetMemberOffsets()[g], batch.GetMemberOffsets()[g+1]
+	id := batch.GetGroupIds()[g]
+	names := make([]string, 0, hi-lo)
+	for _, index := range batch.GetMemberIndices()[lo:hi] {
+		names = append(names, fmt.Sprintf("groups/%s/sessions/%d", id, index))
+	}
+	return &pb.GroupResult{
+		Cursor:     batch.GetCursors()[g],
+		GroupId:    id,
+		Outcome:    batch.GetOutcomes()[g],
+		Sessions:   names,
+		Rewards:    batch.GetRewards()[lo:hi],
+		Advantages: batch.GetAdvantages()[lo:hi],
+		Mean:       batch.GetMeans()[g],
+		Std:        batch.GetStds()[g],
+
+		MinVersion:             batch.GetMinVersions()[g],
+		MaxVersion:             batch.GetMaxVersions()[g],
+		TrainerVersion:         batch.GetTrainerVersions()[g],
+		AdmittedTrainerVersion: batch.GetAdmittedTrainerVersions()[g],
+	}
 }

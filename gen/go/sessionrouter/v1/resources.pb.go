@@ -472,7 +472,14 @@ type Session struct {
 	// True when a weight update of the session's worker asked for open sessions to be
 	// reported interrupted (BeginWeightUpdate with interrupt_sessions). A reward can still
 	// arrive for it.
-	Interrupted   bool `protobuf:"varint,43,opt,name=interrupted,proto3" json:"interrupted,omitempty"`
+	Interrupted bool `protobuf:"varint,43,opt,name=interrupted,proto3" json:"interrupted,omitempty"`
+	// A number that names this session wherever a reward can name it (RewardEntry.handle,
+	// RewardColumns.handles), so that the router resolves a reward without parsing a name.
+	// Never 0. Opaque: derive nothing from it. It is stable across restarts of a router with a
+	// journal (it is made of journaled state: the group's creation number and the member's
+	// index), and one router never gives two sessions the same handle; a handle of a session
+	// no longer retained is unknown, as its name would be.
+	Handle        uint64 `protobuf:"varint,70,opt,name=handle,proto3" json:"handle,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -645,6 +652,13 @@ func (x *Session) GetInterrupted() bool {
 		return x.Interrupted
 	}
 	return false
+}
+
+func (x *Session) GetHandle() uint64 {
+	if x != nil {
+		return x.Handle
+	}
+	return 0
 }
 
 // How the advantages of a group are computed. Every field is optional: an unset field takes
@@ -1408,6 +1422,259 @@ func (x *TrainerState) GetDistinctWorkerVersions() uint32 {
 	return 0
 }
 
+// Several group results as flat, aligned arrays: the columnar form of a list of GroupResult,
+// with no sub-message per group or per member. Group g (0 <= g < G, G = len(cursors)) has
+// one entry in every per-group array; its counted members (GroupResult.sessions) are the
+// entries member_offsets[g] to member_offsets[g + 1] - 1 of every per-member array, in index
+// order; its excluded members are the entries excluded_offsets[g] to
+// excluded_offsets[g + 1] - 1 of the per-excluded arrays. A member's session name is
+// `groups/{group_ids[g]}/sessions/{member_indices[m]}`.
+type GroupResultBatch struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Per group (G entries each): GroupResult.cursor, in increasing order.
+	Cursors []uint64 `protobuf:"varint,1,rep,packed,name=cursors,proto3" json:"cursors,omitempty"`
+	// Per group: GroupResult.group_id.
+	GroupIds []string `protobuf:"bytes,2,rep,name=group_ids,json=groupIds,proto3" json:"group_ids,omitempty"`
+	// Per group: GroupResult.task_id.
+	TaskIds []string `protobuf:"bytes,3,rep,name=task_ids,json=taskIds,proto3" json:"task_ids,omitempty"`
+	// Per group: GroupResult.outcome.
+	Outcomes []GroupOutcome `protobuf:"varint,4,rep,packed,name=outcomes,proto3,enum=sessionrouter.v1.GroupOutcome" json:"outcomes,omitempty"`
+	// Per group: GroupResult.group_size.
+	GroupSizes []uint32 `protobuf:"varint,5,rep,packed,name=group_sizes,json=groupSizes,proto3" json:"group_sizes,omitempty"`
+	// Per group: GroupResult.mean.
+	Means []float64 `protobuf:"fixed64,6,rep,packed,name=means,proto3" json:"means,omitempty"`
+	// Per group: GroupResult.std.
+	Stds []float64 `protobuf:"fixed64,7,rep,packed,name=stds,proto3" json:"stds,omitempty"`
+	// Per group: GroupResult.degenerate.
+	Degenerate []bool `protobuf:"varint,8,rep,packed,name=degenerate,proto3" json:"degenerate,omitempty"`
+	// Per group: GroupResult.finalize_time, nanoseconds since the Unix epoch.
+	FinalizeUnixNanos []int64 `protobuf:"varint,9,rep,packed,name=finalize_unix_nanos,json=finalizeUnixNanos,proto3" json:"finalize_unix_nanos,omitempty"`
+	// The distinct estimators of the batch, each with every parameter filled in.
+	Estimators []*EstimatorConfig `protobuf:"bytes,10,rep,name=estimators,proto3" json:"estimators,omitempty"`
+	// Per group: the position in `estimators` of the group's estimator (GroupResult.estimator).
+	EstimatorOf []uint32 `protobuf:"varint,11,rep,packed,name=estimator_of,json=estimatorOf,proto3" json:"estimator_of,omitempty"`
+	// G + 1 offsets into the per-member arrays, from 0 to their length.
+	MemberOffsets []uint32 `protobuf:"varint,12,rep,packed,name=member_offsets,json=memberOffsets,proto3" json:"member_offsets,omitempty"`
+	// Per counted member: its index in its group.
+	MemberIndices []uint32 `protobuf:"varint,13,rep,packed,name=member_indices,json=memberIndices,proto3" json:"member_indices,omitempty"`
+	// Per counted member: its reward, float64.
+	Rewards []float64 `protobuf:"fixed64,14,rep,packed,name=rewards,proto3" json:"rewards,omitempty"`
+	// Per counted member: its advantage, float64. A dropped group has no advantages: its
+	// entries here are 0 and carry no meaning (GroupResult.advantages is empty).
+	Advantages []float64 `protobuf:"fixed64,15,rep,packed,name=advantages,proto3" json:"advantages,omitempty"`
+	// Per counted member, or empty when no group of the batch has filter metrics: its filter
+	// metric; NaN for the members of a group whose GroupResult.filter_metrics is empty (a
+	// filter metric itself is never NaN).
+	FilterMetrics []float64 `protobuf:"fixed64,16,rep,packed,name=filter_metrics,json=filterMetrics,proto3" json:"filter_metrics,omitempty"`
+	// G + 1 offsets into the per-excluded arrays, from 0 to their length.
+	ExcludedOffsets []uint32 `protobuf:"varint,17,rep,packed,name=excluded_offsets,json=excludedOffsets,proto3" json:"excluded_offsets,omitempty"`
+	// Per excluded member (GroupResult.excluded_sessions): its index in its group.
+	ExcludedIndices []uint32 `protobuf:"varint,18,rep,packed,name=excluded_indices,json=excludedIndices,proto3" json:"excluded_indices,omitempty"`
+	// Per excluded member: true when it was replaced (GroupResult.replaced_sessions).
+	ExcludedReplaced []bool `protobuf:"varint,19,rep,packed,name=excluded_replaced,json=excludedReplaced,proto3" json:"excluded_replaced,omitempty"`
+	// Per group: GroupResult.min_version.
+	MinVersions []uint64 `protobuf:"varint,20,rep,packed,name=min_versions,json=minVersions,proto3" json:"min_versions,omitempty"`
+	// Per group: GroupResult.max_version.
+	MaxVersions []uint64 `protobuf:"varint,21,rep,packed,name=max_versions,json=maxVersions,proto3" json:"max_versions,omitempty"`
+	// Per group: GroupResult.trainer_version.
+	TrainerVersions []uint64 `protobuf:"varint,22,rep,packed,name=trainer_versions,json=trainerVersions,proto3" json:"trainer_versions,omitempty"`
+	// Per group: GroupResult.admitted_trainer_version.
+	AdmittedTrainerVersions []uint64 `protobuf:"varint,23,rep,packed,name=admitted_trainer_versions,json=admittedTrainerVersions,proto3" json:"admitted_trainer_versions,omitempty"`
+	unknownFields           protoimpl.UnknownFields
+	sizeCache               protoimpl.SizeCache
+}
+
+func (x *GroupResultBatch) Reset() {
+	*x = GroupResultBatch{}
+	mi := &file_sessionrouter_v1_resources_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GroupResultBatch) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GroupResultBatch) ProtoMessage() {}
+
+func (x *GroupResultBatch) ProtoReflect() protoreflect.Message {
+	mi := &file_sessionrouter_v1_resources_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GroupResultBatch.ProtoReflect.Descriptor instead.
+func (*GroupResultBatch) Descriptor() ([]byte, []int) {
+	return file_sessionrouter_v1_resources_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *GroupResultBatch) GetCursors() []uint64 {
+	if x != nil {
+		return x.Cursors
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetGroupIds() []string {
+	if x != nil {
+		return x.GroupIds
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetTaskIds() []string {
+	if x != nil {
+		return x.TaskIds
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetOutcomes() []GroupOutcome {
+	if x != nil {
+		return x.Outcomes
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetGroupSizes() []uint32 {
+	if x != nil {
+		return x.GroupSizes
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetMeans() []float64 {
+	if x != nil {
+		return x.Means
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetStds() []float64 {
+	if x != nil {
+		return x.Stds
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetDegenerate() []bool {
+	if x != nil {
+		return x.Degenerate
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetFinalizeUnixNanos() []int64 {
+	if x != nil {
+		return x.FinalizeUnixNanos
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetEstimators() []*EstimatorConfig {
+	if x != nil {
+		return x.Estimators
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetEstimatorOf() []uint32 {
+	if x != nil {
+		return x.EstimatorOf
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetMemberOffsets() []uint32 {
+	if x != nil {
+		return x.MemberOffsets
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetMemberIndices() []uint32 {
+	if x != nil {
+		return x.MemberIndices
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetRewards() []float64 {
+	if x != nil {
+		return x.Rewards
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetAdvantages() []float64 {
+	if x != nil {
+		return x.Advantages
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetFilterMetrics() []float64 {
+	if x != nil {
+		return x.FilterMetrics
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetExcludedOffsets() []uint32 {
+	if x != nil {
+		return x.ExcludedOffsets
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetExcludedIndices() []uint32 {
+	if x != nil {
+		return x.ExcludedIndices
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetExcludedReplaced() []bool {
+	if x != nil {
+		return x.ExcludedReplaced
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetMinVersions() []uint64 {
+	if x != nil {
+		return x.MinVersions
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetMaxVersions() []uint64 {
+	if x != nil {
+		return x.MaxVersions
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetTrainerVersions() []uint64 {
+	if x != nil {
+		return x.TrainerVersions
+	}
+	return nil
+}
+
+func (x *GroupResultBatch) GetAdmittedTrainerVersions() []uint64 {
+	if x != nil {
+		return x.AdmittedTrainerVersions
+	}
+	return nil
+}
+
 var File_sessionrouter_v1_resources_proto protoreflect.FileDescriptor
 
 const file_sessionrouter_v1_resources_proto_rawDesc = "" +
@@ -1428,7 +1695,7 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\x15cluster_open_sessions\x18[ \x01(\rR\x13clusterOpenSessions\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xaf\x06\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xc7\x06\n" +
 	"\aSession\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x19\n" +
 	"\bgroup_id\x18\x02 \x01(\tR\agroupId\x12\x14\n" +
@@ -1456,7 +1723,8 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"minVersion\x12\x1f\n" +
 	"\vmax_version\x18* \x01(\x04R\n" +
 	"maxVersion\x12 \n" +
-	"\vinterrupted\x18+ \x01(\bR\vinterrupted\x1a;\n" +
+	"\vinterrupted\x18+ \x01(\bR\vinterrupted\x12\x16\n" +
+	"\x06handle\x18F \x01(\x04R\x06handle\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\t\n" +
@@ -1545,7 +1813,39 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\x18weight_update_fleet_wide\x18\b \x01(\bR\x15weightUpdateFleetWide\x12)\n" +
 	"\x10workers_updating\x18\t \x01(\rR\x0fworkersUpdating\x128\n" +
 	"\x18distinct_worker_versions\x18\n" +
-	" \x01(\rR\x16distinctWorkerVersions*e\n" +
+	" \x01(\rR\x16distinctWorkerVersions\"\x86\a\n" +
+	"\x10GroupResultBatch\x12\x18\n" +
+	"\acursors\x18\x01 \x03(\x04R\acursors\x12\x1b\n" +
+	"\tgroup_ids\x18\x02 \x03(\tR\bgroupIds\x12\x19\n" +
+	"\btask_ids\x18\x03 \x03(\tR\ataskIds\x12:\n" +
+	"\boutcomes\x18\x04 \x03(\x0e2\x1e.sessionrouter.v1.GroupOutcomeR\boutcomes\x12\x1f\n" +
+	"\vgroup_sizes\x18\x05 \x03(\rR\n" +
+	"groupSizes\x12\x14\n" +
+	"\x05means\x18\x06 \x03(\x01R\x05means\x12\x12\n" +
+	"\x04stds\x18\a \x03(\x01R\x04stds\x12\x1e\n" +
+	"\n" +
+	"degenerate\x18\b \x03(\bR\n" +
+	"degenerate\x12.\n" +
+	"\x13finalize_unix_nanos\x18\t \x03(\x03R\x11finalizeUnixNanos\x12A\n" +
+	"\n" +
+	"estimators\x18\n" +
+	" \x03(\v2!.sessionrouter.v1.EstimatorConfigR\n" +
+	"estimators\x12!\n" +
+	"\festimator_of\x18\v \x03(\rR\vestimatorOf\x12%\n" +
+	"\x0emember_offsets\x18\f \x03(\rR\rmemberOffsets\x12%\n" +
+	"\x0emember_indices\x18\r \x03(\rR\rmemberIndices\x12\x18\n" +
+	"\arewards\x18\x0e \x03(\x01R\arewards\x12\x1e\n" +
+	"\n" +
+	"advantages\x18\x0f \x03(\x01R\n" +
+	"advantages\x12%\n" +
+	"\x0efilter_metrics\x18\x10 \x03(\x01R\rfilterMetrics\x12)\n" +
+	"\x10excluded_offsets\x18\x11 \x03(\rR\x0fexcludedOffsets\x12)\n" +
+	"\x10excluded_indices\x18\x12 \x03(\rR\x0fexcludedIndices\x12+\n" +
+	"\x11excluded_replaced\x18\x13 \x03(\bR\x10excludedReplaced\x12!\n" +
+	"\fmin_versions\x18\x14 \x03(\x04R\vminVersions\x12!\n" +
+	"\fmax_versions\x18\x15 \x03(\x04R\vmaxVersions\x12)\n" +
+	"\x10trainer_versions\x18\x16 \x03(\x04R\x0ftrainerVersions\x12:\n" +
+	"\x19admitted_trainer_versions\x18\x17 \x03(\x04R\x17admittedTrainerVersionsJ\x04\b\x18\x10(*e\n" +
 	"\fWorkerHealth\x12\x1d\n" +
 	"\x19WORKER_HEALTH_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15WORKER_HEALTH_HEALTHY\x10\x01\x12\x1b\n" +
@@ -1581,7 +1881,7 @@ func file_sessionrouter_v1_resources_proto_rawDescGZIP() []byte {
 }
 
 var file_sessionrouter_v1_resources_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_sessionrouter_v1_resources_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_sessionrouter_v1_resources_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
 var file_sessionrouter_v1_resources_proto_goTypes = []any{
 	(WorkerHealth)(0),             // 0: sessionrouter.v1.WorkerHealth
 	(SessionState)(0),             // 1: sessionrouter.v1.SessionState
@@ -1595,36 +1895,39 @@ var file_sessionrouter_v1_resources_proto_goTypes = []any{
 	(*GroupResult)(nil),           // 9: sessionrouter.v1.GroupResult
 	(*StalenessPolicy)(nil),       // 10: sessionrouter.v1.StalenessPolicy
 	(*TrainerState)(nil),          // 11: sessionrouter.v1.TrainerState
-	nil,                           // 12: sessionrouter.v1.Worker.LabelsEntry
-	nil,                           // 13: sessionrouter.v1.Session.MetadataEntry
-	nil,                           // 14: sessionrouter.v1.GroupOptions.SelectorEntry
-	(*timestamppb.Timestamp)(nil), // 15: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 16: google.protobuf.Duration
+	(*GroupResultBatch)(nil),      // 12: sessionrouter.v1.GroupResultBatch
+	nil,                           // 13: sessionrouter.v1.Worker.LabelsEntry
+	nil,                           // 14: sessionrouter.v1.Session.MetadataEntry
+	nil,                           // 15: sessionrouter.v1.GroupOptions.SelectorEntry
+	(*timestamppb.Timestamp)(nil), // 16: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 17: google.protobuf.Duration
 }
 var file_sessionrouter_v1_resources_proto_depIdxs = []int32{
-	12, // 0: sessionrouter.v1.Worker.labels:type_name -> sessionrouter.v1.Worker.LabelsEntry
+	13, // 0: sessionrouter.v1.Worker.labels:type_name -> sessionrouter.v1.Worker.LabelsEntry
 	0,  // 1: sessionrouter.v1.Worker.health:type_name -> sessionrouter.v1.WorkerHealth
-	15, // 2: sessionrouter.v1.Worker.last_heartbeat_time:type_name -> google.protobuf.Timestamp
+	16, // 2: sessionrouter.v1.Worker.last_heartbeat_time:type_name -> google.protobuf.Timestamp
 	1,  // 3: sessionrouter.v1.Session.state:type_name -> sessionrouter.v1.SessionState
-	13, // 4: sessionrouter.v1.Session.metadata:type_name -> sessionrouter.v1.Session.MetadataEntry
-	15, // 5: sessionrouter.v1.Session.create_time:type_name -> google.protobuf.Timestamp
+	14, // 4: sessionrouter.v1.Session.metadata:type_name -> sessionrouter.v1.Session.MetadataEntry
+	16, // 5: sessionrouter.v1.Session.create_time:type_name -> google.protobuf.Timestamp
 	6,  // 6: sessionrouter.v1.GroupOptions.estimator:type_name -> sessionrouter.v1.EstimatorConfig
-	16, // 7: sessionrouter.v1.GroupOptions.deadline:type_name -> google.protobuf.Duration
-	14, // 8: sessionrouter.v1.GroupOptions.selector:type_name -> sessionrouter.v1.GroupOptions.SelectorEntry
+	17, // 7: sessionrouter.v1.GroupOptions.deadline:type_name -> google.protobuf.Duration
+	15, // 8: sessionrouter.v1.GroupOptions.selector:type_name -> sessionrouter.v1.GroupOptions.SelectorEntry
 	2,  // 9: sessionrouter.v1.Group.state:type_name -> sessionrouter.v1.GroupState
 	5,  // 10: sessionrouter.v1.Group.members:type_name -> sessionrouter.v1.Session
 	7,  // 11: sessionrouter.v1.Group.options:type_name -> sessionrouter.v1.GroupOptions
-	15, // 12: sessionrouter.v1.Group.create_time:type_name -> google.protobuf.Timestamp
-	15, // 13: sessionrouter.v1.Group.deadline_time:type_name -> google.protobuf.Timestamp
+	16, // 12: sessionrouter.v1.Group.create_time:type_name -> google.protobuf.Timestamp
+	16, // 13: sessionrouter.v1.Group.deadline_time:type_name -> google.protobuf.Timestamp
 	3,  // 14: sessionrouter.v1.GroupResult.outcome:type_name -> sessionrouter.v1.GroupOutcome
 	6,  // 15: sessionrouter.v1.GroupResult.estimator:type_name -> sessionrouter.v1.EstimatorConfig
-	15, // 16: sessionrouter.v1.GroupResult.finalize_time:type_name -> google.protobuf.Timestamp
+	16, // 16: sessionrouter.v1.GroupResult.finalize_time:type_name -> google.protobuf.Timestamp
 	10, // 17: sessionrouter.v1.TrainerState.policy:type_name -> sessionrouter.v1.StalenessPolicy
-	18, // [18:18] is the sub-list for method output_type
-	18, // [18:18] is the sub-list for method input_type
-	18, // [18:18] is the sub-list for extension type_name
-	18, // [18:18] is the sub-list for extension extendee
-	0,  // [0:18] is the sub-list for field type_name
+	3,  // 18: sessionrouter.v1.GroupResultBatch.outcomes:type_name -> sessionrouter.v1.GroupOutcome
+	6,  // 19: sessionrouter.v1.GroupResultBatch.estimators:type_name -> sessionrouter.v1.EstimatorConfig
+	20, // [20:20] is the sub-list for method output_type
+	20, // [20:20] is the sub-list for method input_type
+	20, // [20:20] is the sub-list for extension type_name
+	20, // [20:20] is the sub-list for extension extendee
+	0,  // [0:20] is the sub-list for field type_name
 }
 
 func init() { file_sessionrouter_v1_resources_proto_init() }
@@ -1641,7 +1944,7 @@ func file_sessionrouter_v1_resources_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_sessionrouter_v1_resources_proto_rawDesc), len(file_sessionrouter_v1_resources_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   11,
+			NumMessages:   12,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -988,8 +988,12 @@ type RewardEntry struct {
 	// mid-session; 0 and 0 keep the session's start version. One of them 0 means it equals
 	// the other; min_version above max_version, or either above 2^63 - 1, is
 	// REWARD_STATUS_INVALID_VERSIONS.
-	MinVersion    uint64 `protobuf:"varint,40,opt,name=min_version,json=minVersion,proto3" json:"min_version,omitempty"`
-	MaxVersion    uint64 `protobuf:"varint,41,opt,name=max_version,json=maxVersion,proto3" json:"max_version,omitempty"`
+	MinVersion uint64 `protobuf:"varint,40,opt,name=min_version,json=minVersion,proto3" json:"min_version,omitempty"`
+	MaxVersion uint64 `protobuf:"varint,41,opt,name=max_version,json=maxVersion,proto3" json:"max_version,omitempty"`
+	// The session's handle (Session.handle), which the router resolves without parsing a name.
+	// With a handle `session` may be empty; with both, they must name the same session, or the
+	// entry is UNKNOWN_SESSION.
+	Handle        uint64 `protobuf:"varint,70,opt,name=handle,proto3" json:"handle,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1059,6 +1063,112 @@ func (x *RewardEntry) GetMaxVersion() uint64 {
 	return 0
 }
 
+func (x *RewardEntry) GetHandle() uint64 {
+	if x != nil {
+		return x.Handle
+	}
+	return 0
+}
+
+// The entries of one request as parallel arrays (entry i is about `rewards[i]`): the
+// columnar form of `repeated RewardEntry`, with no sub-message per entry. Every entry is
+// checked as the same RewardEntry would be and gets the same status. An array that is
+// neither empty (where allowed) nor as long as `rewards` makes the request
+// INVALID_ARGUMENT (reason COLUMN_LENGTH_MISMATCH, with the array and both lengths).
+type RewardColumns struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Per entry, or empty: the session's handle (Session.handle); 0 where the entry names its
+	// session in `sessions` instead.
+	Handles []uint64 `protobuf:"varint,1,rep,packed,name=handles,proto3" json:"handles,omitempty"`
+	// Per entry, or empty: the session's name; "" where the entry gives a handle. With both
+	// a handle and a name, they must name the same session (else UNKNOWN_SESSION); with
+	// neither, the entry is UNKNOWN_SESSION.
+	Sessions []string `protobuf:"bytes,2,rep,name=sessions,proto3" json:"sessions,omitempty"`
+	// Per entry: the reward (RewardEntry.reward). Its length is the request's entry count.
+	Rewards []float64 `protobuf:"fixed64,3,rep,packed,name=rewards,proto3" json:"rewards,omitempty"`
+	// Per entry, or empty when no entry carries one: RewardEntry.filter_metric. Entries with
+	// and without a filter metric go in separate requests (or in the message form).
+	FilterMetrics []float64 `protobuf:"fixed64,4,rep,packed,name=filter_metrics,json=filterMetrics,proto3" json:"filter_metrics,omitempty"`
+	// Per entry, or empty: RewardEntry.min_version (0: none given).
+	MinVersions []uint64 `protobuf:"varint,5,rep,packed,name=min_versions,json=minVersions,proto3" json:"min_versions,omitempty"`
+	// Per entry, or empty: RewardEntry.max_version (0: none given).
+	MaxVersions   []uint64 `protobuf:"varint,6,rep,packed,name=max_versions,json=maxVersions,proto3" json:"max_versions,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RewardColumns) Reset() {
+	*x = RewardColumns{}
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RewardColumns) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RewardColumns) ProtoMessage() {}
+
+func (x *RewardColumns) ProtoReflect() protoreflect.Message {
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RewardColumns.ProtoReflect.Descriptor instead.
+func (*RewardColumns) Descriptor() ([]byte, []int) {
+	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *RewardColumns) GetHandles() []uint64 {
+	if x != nil {
+		return x.Handles
+	}
+	return nil
+}
+
+func (x *RewardColumns) GetSessions() []string {
+	if x != nil {
+		return x.Sessions
+	}
+	return nil
+}
+
+func (x *RewardColumns) GetRewards() []float64 {
+	if x != nil {
+		return x.Rewards
+	}
+	return nil
+}
+
+func (x *RewardColumns) GetFilterMetrics() []float64 {
+	if x != nil {
+		return x.FilterMetrics
+	}
+	return nil
+}
+
+func (x *RewardColumns) GetMinVersions() []uint64 {
+	if x != nil {
+		return x.MinVersions
+	}
+	return nil
+}
+
+func (x *RewardColumns) GetMaxVersions() []uint64 {
+	if x != nil {
+		return x.MaxVersions
+	}
+	return nil
+}
+
 type SubmitRewardsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// 1 to 4096 entries. A request with none, or more, is INVALID_ARGUMENT (reason
@@ -1066,14 +1176,22 @@ type SubmitRewardsRequest struct {
 	// before it.
 	Entries []*RewardEntry `protobuf:"bytes,1,rep,name=entries,proto3" json:"entries,omitempty"`
 	// Echoed in the ack, so that a client can match acks to requests. Free for the caller.
-	Sequence      uint64 `protobuf:"varint,2,opt,name=sequence,proto3" json:"sequence,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Sequence uint64 `protobuf:"varint,2,opt,name=sequence,proto3" json:"sequence,omitempty"`
+	// The entries in columnar form, instead of `entries`: a request with both is
+	// INVALID_ARGUMENT (reason MIXED_ENTRY_FORMS). The same limits apply (1 to 4096 entries).
+	// Its ack is columnar too (RewardAck.statuses).
+	Columns *RewardColumns `protobuf:"bytes,70,opt,name=columns,proto3" json:"columns,omitempty"`
+	// From this request on, the stream sends group results as GroupResultBatch
+	// (SubmitRewardsResponse.result_batch) instead of GroupResult messages. Set it on the
+	// first request; it cannot be turned off for the stream.
+	ColumnarResults bool `protobuf:"varint,71,opt,name=columnar_results,json=columnarResults,proto3" json:"columnar_results,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *SubmitRewardsRequest) Reset() {
 	*x = SubmitRewardsRequest{}
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[13]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1085,7 +1203,7 @@ func (x *SubmitRewardsRequest) String() string {
 func (*SubmitRewardsRequest) ProtoMessage() {}
 
 func (x *SubmitRewardsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[13]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1098,7 +1216,7 @@ func (x *SubmitRewardsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubmitRewardsRequest.ProtoReflect.Descriptor instead.
 func (*SubmitRewardsRequest) Descriptor() ([]byte, []int) {
-	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{13}
+	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *SubmitRewardsRequest) GetEntries() []*RewardEntry {
@@ -1113,6 +1231,20 @@ func (x *SubmitRewardsRequest) GetSequence() uint64 {
 		return x.Sequence
 	}
 	return 0
+}
+
+func (x *SubmitRewardsRequest) GetColumns() *RewardColumns {
+	if x != nil {
+		return x.Columns
+	}
+	return nil
+}
+
+func (x *SubmitRewardsRequest) GetColumnarResults() bool {
+	if x != nil {
+		return x.ColumnarResults
+	}
+	return false
 }
 
 type RewardResult struct {
@@ -1131,7 +1263,7 @@ type RewardResult struct {
 
 func (x *RewardResult) Reset() {
 	*x = RewardResult{}
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[14]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1143,7 +1275,7 @@ func (x *RewardResult) String() string {
 func (*RewardResult) ProtoMessage() {}
 
 func (x *RewardResult) ProtoReflect() protoreflect.Message {
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[14]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1156,7 +1288,7 @@ func (x *RewardResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RewardResult.ProtoReflect.Descriptor instead.
 func (*RewardResult) Descriptor() ([]byte, []int) {
-	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{14}
+	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *RewardResult) GetStatus() RewardStatus {
@@ -1187,18 +1319,26 @@ func (x *RewardResult) GetOwnerAddress() string {
 	return ""
 }
 
-// The answer to one SubmitRewardsRequest: `results[i]` is about `entries[i]`.
+// The answer to one SubmitRewardsRequest: `results[i]` is about `entries[i]`; for a request in
+// columnar form, `statuses[i]` is about entry i instead, and `results` is empty.
 type RewardAck struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Sequence      uint64                 `protobuf:"varint,1,opt,name=sequence,proto3" json:"sequence,omitempty"`
-	Results       []*RewardResult        `protobuf:"bytes,2,rep,name=results,proto3" json:"results,omitempty"`
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Sequence uint64                 `protobuf:"varint,1,opt,name=sequence,proto3" json:"sequence,omitempty"`
+	Results  []*RewardResult        `protobuf:"bytes,2,rep,name=results,proto3" json:"results,omitempty"`
+	// For a request in columnar form: one status per entry, packed.
+	Statuses []RewardStatus `protobuf:"varint,70,rep,packed,name=statuses,proto3,enum=sessionrouter.v1.RewardStatus" json:"statuses,omitempty"`
+	// For a request in columnar form: the entries that were not ACCEPTED, in increasing
+	// order, each with the explanation in `details` at the same position.
+	DetailEntries []uint32 `protobuf:"varint,71,rep,packed,name=detail_entries,json=detailEntries,proto3" json:"detail_entries,omitempty"`
+	// Aligned with `detail_entries`: RewardResult.detail of each.
+	Details       []string `protobuf:"bytes,72,rep,name=details,proto3" json:"details,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RewardAck) Reset() {
 	*x = RewardAck{}
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[15]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1210,7 +1350,7 @@ func (x *RewardAck) String() string {
 func (*RewardAck) ProtoMessage() {}
 
 func (x *RewardAck) ProtoReflect() protoreflect.Message {
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[15]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1223,7 +1363,7 @@ func (x *RewardAck) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RewardAck.ProtoReflect.Descriptor instead.
 func (*RewardAck) Descriptor() ([]byte, []int) {
-	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{15}
+	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *RewardAck) GetSequence() uint64 {
@@ -1240,6 +1380,27 @@ func (x *RewardAck) GetResults() []*RewardResult {
 	return nil
 }
 
+func (x *RewardAck) GetStatuses() []RewardStatus {
+	if x != nil {
+		return x.Statuses
+	}
+	return nil
+}
+
+func (x *RewardAck) GetDetailEntries() []uint32 {
+	if x != nil {
+		return x.DetailEntries
+	}
+	return nil
+}
+
+func (x *RewardAck) GetDetails() []string {
+	if x != nil {
+		return x.Details
+	}
+	return nil
+}
+
 // One message of the SubmitRewards response stream. Results of groups are batched: a single
 // message may carry many, which matters when thousands of groups finish per second.
 type SubmitRewardsResponse struct {
@@ -1252,14 +1413,18 @@ type SubmitRewardsResponse struct {
 	GroupResults []*GroupResult `protobuf:"bytes,2,rep,name=group_results,json=groupResults,proto3" json:"group_results,omitempty"`
 	// Members replaced since the previous message (GroupOptions.replace_lost), sent to every
 	// open SubmitRewards stream: the client that runs the group starts the new member.
-	Replacements  []*MemberReplaced `protobuf:"bytes,20,rep,name=replacements,proto3" json:"replacements,omitempty"`
+	Replacements []*MemberReplaced `protobuf:"bytes,20,rep,name=replacements,proto3" json:"replacements,omitempty"`
+	// Group results in columnar form, when the stream asked for them
+	// (SubmitRewardsRequest.columnar_results); `group_results` is then empty. Same order and
+	// promise as `group_results`.
+	ResultBatch   *GroupResultBatch `protobuf:"bytes,70,opt,name=result_batch,json=resultBatch,proto3" json:"result_batch,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SubmitRewardsResponse) Reset() {
 	*x = SubmitRewardsResponse{}
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[16]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1271,7 +1436,7 @@ func (x *SubmitRewardsResponse) String() string {
 func (*SubmitRewardsResponse) ProtoMessage() {}
 
 func (x *SubmitRewardsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[16]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1284,7 +1449,7 @@ func (x *SubmitRewardsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubmitRewardsResponse.ProtoReflect.Descriptor instead.
 func (*SubmitRewardsResponse) Descriptor() ([]byte, []int) {
-	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{16}
+	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *SubmitRewardsResponse) GetAck() *RewardAck {
@@ -1308,6 +1473,13 @@ func (x *SubmitRewardsResponse) GetReplacements() []*MemberReplaced {
 	return nil
 }
 
+func (x *SubmitRewardsResponse) GetResultBatch() *GroupResultBatch {
+	if x != nil {
+		return x.ResultBatch
+	}
+	return nil
+}
+
 // A member of a group was replaced by a new one.
 type MemberReplaced struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
@@ -1324,7 +1496,7 @@ type MemberReplaced struct {
 
 func (x *MemberReplaced) Reset() {
 	*x = MemberReplaced{}
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[17]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1336,7 +1508,7 @@ func (x *MemberReplaced) String() string {
 func (*MemberReplaced) ProtoMessage() {}
 
 func (x *MemberReplaced) ProtoReflect() protoreflect.Message {
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[17]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1349,7 +1521,7 @@ func (x *MemberReplaced) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemberReplaced.ProtoReflect.Descriptor instead.
 func (*MemberReplaced) Descriptor() ([]byte, []int) {
-	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{17}
+	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *MemberReplaced) GetGroupId() string {
@@ -1397,14 +1569,17 @@ type SubscribeGroupsRequest struct {
 	// Deliver only groups whose min_version is at least this one (0: every group); the
 	// others are skipped, and counted in `skipped_groups`. Groups of unknown version (0) are
 	// skipped by any non-zero filter.
-	MinVersion    uint64 `protobuf:"varint,40,opt,name=min_version,json=minVersion,proto3" json:"min_version,omitempty"`
+	MinVersion uint64 `protobuf:"varint,40,opt,name=min_version,json=minVersion,proto3" json:"min_version,omitempty"`
+	// Deliver the groups of each message in columnar form (SubscribeGroupsResponse.batch)
+	// instead of GroupResult messages.
+	Columnar      bool `protobuf:"varint,70,opt,name=columnar,proto3" json:"columnar,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SubscribeGroupsRequest) Reset() {
 	*x = SubscribeGroupsRequest{}
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[18]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1416,7 +1591,7 @@ func (x *SubscribeGroupsRequest) String() string {
 func (*SubscribeGroupsRequest) ProtoMessage() {}
 
 func (x *SubscribeGroupsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[18]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1429,7 +1604,7 @@ func (x *SubscribeGroupsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubscribeGroupsRequest.ProtoReflect.Descriptor instead.
 func (*SubscribeGroupsRequest) Descriptor() ([]byte, []int) {
-	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{18}
+	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *SubscribeGroupsRequest) GetAfterCursor() uint64 {
@@ -1460,6 +1635,13 @@ func (x *SubscribeGroupsRequest) GetMinVersion() uint64 {
 	return 0
 }
 
+func (x *SubscribeGroupsRequest) GetColumnar() bool {
+	if x != nil {
+		return x.Columnar
+	}
+	return false
+}
+
 type SubscribeGroupsResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// One or more groups, in cursor order; together the messages of a stream hold every
@@ -1475,13 +1657,16 @@ type SubscribeGroupsResponse struct {
 	// the request's `min_version`. A group left out by both filters is counted here only, not
 	// in `skipped_degenerate`.
 	SkippedGroups uint64 `protobuf:"varint,40,opt,name=skipped_groups,json=skippedGroups,proto3" json:"skipped_groups,omitempty"`
+	// The groups of this message in columnar form, when the subscription asked for it
+	// (SubscribeGroupsRequest.columnar); `groups` is then empty.
+	Batch         *GroupResultBatch `protobuf:"bytes,70,opt,name=batch,proto3" json:"batch,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SubscribeGroupsResponse) Reset() {
 	*x = SubscribeGroupsResponse{}
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[19]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1493,7 +1678,7 @@ func (x *SubscribeGroupsResponse) String() string {
 func (*SubscribeGroupsResponse) ProtoMessage() {}
 
 func (x *SubscribeGroupsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[19]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1506,7 +1691,7 @@ func (x *SubscribeGroupsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubscribeGroupsResponse.ProtoReflect.Descriptor instead.
 func (*SubscribeGroupsResponse) Descriptor() ([]byte, []int) {
-	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{19}
+	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *SubscribeGroupsResponse) GetGroups() []*GroupResult {
@@ -1537,6 +1722,13 @@ func (x *SubscribeGroupsResponse) GetSkippedGroups() uint64 {
 	return 0
 }
 
+func (x *SubscribeGroupsResponse) GetBatch() *GroupResultBatch {
+	if x != nil {
+		return x.Batch
+	}
+	return nil
+}
+
 type SetTrainerStateRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The trainer's current policy version; never lower than the one the router holds, at
@@ -1558,7 +1750,7 @@ type SetTrainerStateRequest struct {
 
 func (x *SetTrainerStateRequest) Reset() {
 	*x = SetTrainerStateRequest{}
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[20]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1570,7 +1762,7 @@ func (x *SetTrainerStateRequest) String() string {
 func (*SetTrainerStateRequest) ProtoMessage() {}
 
 func (x *SetTrainerStateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[20]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1583,7 +1775,7 @@ func (x *SetTrainerStateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetTrainerStateRequest.ProtoReflect.Descriptor instead.
 func (*SetTrainerStateRequest) Descriptor() ([]byte, []int) {
-	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{20}
+	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *SetTrainerStateRequest) GetVersion() uint64 {
@@ -1631,7 +1823,7 @@ type SetTrainerStateResponse struct {
 
 func (x *SetTrainerStateResponse) Reset() {
 	*x = SetTrainerStateResponse{}
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[21]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1643,7 +1835,7 @@ func (x *SetTrainerStateResponse) String() string {
 func (*SetTrainerStateResponse) ProtoMessage() {}
 
 func (x *SetTrainerStateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[21]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1656,7 +1848,7 @@ func (x *SetTrainerStateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetTrainerStateResponse.ProtoReflect.Descriptor instead.
 func (*SetTrainerStateResponse) Descriptor() ([]byte, []int) {
-	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{21}
+	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *SetTrainerStateResponse) GetState() *TrainerState {
@@ -1674,7 +1866,7 @@ type GetTrainerStateRequest struct {
 
 func (x *GetTrainerStateRequest) Reset() {
 	*x = GetTrainerStateRequest{}
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[22]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1686,7 +1878,7 @@ func (x *GetTrainerStateRequest) String() string {
 func (*GetTrainerStateRequest) ProtoMessage() {}
 
 func (x *GetTrainerStateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[22]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1699,7 +1891,7 @@ func (x *GetTrainerStateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTrainerStateRequest.ProtoReflect.Descriptor instead.
 func (*GetTrainerStateRequest) Descriptor() ([]byte, []int) {
-	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{22}
+	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{23}
 }
 
 type GetTrainerStateResponse struct {
@@ -1712,7 +1904,7 @@ type GetTrainerStateResponse struct {
 
 func (x *GetTrainerStateResponse) Reset() {
 	*x = GetTrainerStateResponse{}
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[23]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1724,7 +1916,7 @@ func (x *GetTrainerStateResponse) String() string {
 func (*GetTrainerStateResponse) ProtoMessage() {}
 
 func (x *GetTrainerStateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[23]
+	mi := &file_sessionrouter_v1_session_service_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1737,7 +1929,7 @@ func (x *GetTrainerStateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTrainerStateResponse.ProtoReflect.Descriptor instead.
 func (*GetTrainerStateResponse) Descriptor() ([]byte, []int) {
-	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{23}
+	return file_sessionrouter_v1_session_service_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *GetTrainerStateResponse) GetState() *TrainerState {
@@ -1817,7 +2009,7 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"\x05state\x18\x03 \x01(\x0e2\x1c.sessionrouter.v1.GroupStateR\x05state\"m\n" +
 	"\x12ListGroupsResponse\x12/\n" +
 	"\x06groups\x18\x01 \x03(\v2\x17.sessionrouter.v1.GroupR\x06groups\x12&\n" +
-	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\xbd\x01\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\xd5\x01\n" +
 	"\vRewardEntry\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x16\n" +
 	"\x06reward\x18\x02 \x01(\x01R\x06reward\x12(\n" +
@@ -1825,43 +2017,59 @@ const file_sessionrouter_v1_session_service_proto_rawDesc = "" +
 	"\vmin_version\x18( \x01(\x04R\n" +
 	"minVersion\x12\x1f\n" +
 	"\vmax_version\x18) \x01(\x04R\n" +
-	"maxVersionB\x10\n" +
-	"\x0e_filter_metric\"k\n" +
+	"maxVersion\x12\x16\n" +
+	"\x06handle\x18F \x01(\x04R\x06handleB\x10\n" +
+	"\x0e_filter_metric\"\xd2\x01\n" +
+	"\rRewardColumns\x12\x18\n" +
+	"\ahandles\x18\x01 \x03(\x04R\ahandles\x12\x1a\n" +
+	"\bsessions\x18\x02 \x03(\tR\bsessions\x12\x18\n" +
+	"\arewards\x18\x03 \x03(\x01R\arewards\x12%\n" +
+	"\x0efilter_metrics\x18\x04 \x03(\x01R\rfilterMetrics\x12!\n" +
+	"\fmin_versions\x18\x05 \x03(\x04R\vminVersions\x12!\n" +
+	"\fmax_versions\x18\x06 \x03(\x04R\vmaxVersionsJ\x04\b\a\x10\x14\"\xd1\x01\n" +
 	"\x14SubmitRewardsRequest\x127\n" +
 	"\aentries\x18\x01 \x03(\v2\x1d.sessionrouter.v1.RewardEntryR\aentries\x12\x1a\n" +
-	"\bsequence\x18\x02 \x01(\x04R\bsequence\"\xb9\x01\n" +
+	"\bsequence\x18\x02 \x01(\x04R\bsequence\x129\n" +
+	"\acolumns\x18F \x01(\v2\x1f.sessionrouter.v1.RewardColumnsR\acolumns\x12)\n" +
+	"\x10columnar_results\x18G \x01(\bR\x0fcolumnarResults\"\xb9\x01\n" +
 	"\fRewardResult\x126\n" +
 	"\x06status\x18\x01 \x01(\x0e2\x1e.sessionrouter.v1.RewardStatusR\x06status\x12\x16\n" +
 	"\x06detail\x18\x02 \x01(\tR\x06detail\x12$\n" +
 	"\vowner_shard\x18Z \x01(\rH\x00R\n" +
 	"ownerShard\x88\x01\x01\x12#\n" +
 	"\rowner_address\x18[ \x01(\tR\fownerAddressB\x0e\n" +
-	"\f_owner_shard\"a\n" +
+	"\f_owner_shard\"\xde\x01\n" +
 	"\tRewardAck\x12\x1a\n" +
 	"\bsequence\x18\x01 \x01(\x04R\bsequence\x128\n" +
-	"\aresults\x18\x02 \x03(\v2\x1e.sessionrouter.v1.RewardResultR\aresults\"\xd0\x01\n" +
+	"\aresults\x18\x02 \x03(\v2\x1e.sessionrouter.v1.RewardResultR\aresults\x12:\n" +
+	"\bstatuses\x18F \x03(\x0e2\x1e.sessionrouter.v1.RewardStatusR\bstatuses\x12%\n" +
+	"\x0edetail_entries\x18G \x03(\rR\rdetailEntries\x12\x18\n" +
+	"\adetails\x18H \x03(\tR\adetails\"\x97\x02\n" +
 	"\x15SubmitRewardsResponse\x12-\n" +
 	"\x03ack\x18\x01 \x01(\v2\x1b.sessionrouter.v1.RewardAckR\x03ack\x12B\n" +
 	"\rgroup_results\x18\x02 \x03(\v2\x1d.sessionrouter.v1.GroupResultR\fgroupResults\x12D\n" +
-	"\freplacements\x18\x14 \x03(\v2 .sessionrouter.v1.MemberReplacedR\freplacements\"\xab\x01\n" +
+	"\freplacements\x18\x14 \x03(\v2 .sessionrouter.v1.MemberReplacedR\freplacements\x12E\n" +
+	"\fresult_batch\x18F \x01(\v2\".sessionrouter.v1.GroupResultBatchR\vresultBatch\"\xab\x01\n" +
 	"\x0eMemberReplaced\x12\x19\n" +
 	"\bgroup_id\x18\x01 \x01(\tR\agroupId\x12)\n" +
 	"\x10replaced_session\x18\x02 \x01(\tR\x0freplacedSession\x12;\n" +
 	"\vreplacement\x18\x03 \x01(\v2\x19.sessionrouter.v1.SessionR\vreplacement\x12\x16\n" +
-	"\x06reason\x18\x04 \x01(\tR\x06reason\"\xa6\x01\n" +
+	"\x06reason\x18\x04 \x01(\tR\x06reason\"\xc2\x01\n" +
 	"\x16SubscribeGroupsRequest\x12!\n" +
 	"\fafter_cursor\x18\x01 \x01(\x04R\vafterCursor\x12\x1f\n" +
 	"\vfrom_latest\x18\x02 \x01(\bR\n" +
 	"fromLatest\x12'\n" +
 	"\x0fskip_degenerate\x18\x14 \x01(\bR\x0eskipDegenerate\x12\x1f\n" +
 	"\vmin_version\x18( \x01(\x04R\n" +
-	"minVersion\"\xc7\x01\n" +
+	"minVersion\x12\x1a\n" +
+	"\bcolumnar\x18F \x01(\bR\bcolumnar\"\x81\x02\n" +
 	"\x17SubscribeGroupsResponse\x125\n" +
 	"\x06groups\x18\x01 \x03(\v2\x1d.sessionrouter.v1.GroupResultR\x06groups\x12-\n" +
 	"\x12skipped_degenerate\x18\x14 \x01(\rR\x11skippedDegenerate\x12\x1f\n" +
 	"\vlast_cursor\x18\x15 \x01(\x04R\n" +
 	"lastCursor\x12%\n" +
-	"\x0eskipped_groups\x18( \x01(\x04R\rskippedGroups\"\x8a\x02\n" +
+	"\x0eskipped_groups\x18( \x01(\x04R\rskippedGroups\x128\n" +
+	"\x05batch\x18F \x01(\v2\".sessionrouter.v1.GroupResultBatchR\x05batch\"\x8a\x02\n" +
 	"\x16SetTrainerStateRequest\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\x04R\aversion\x129\n" +
 	"\x06policy\x18\x02 \x01(\v2!.sessionrouter.v1.StalenessPolicyR\x06policy\x12!\n" +
@@ -1919,7 +2127,7 @@ func file_sessionrouter_v1_session_service_proto_rawDescGZIP() []byte {
 }
 
 var file_sessionrouter_v1_session_service_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_sessionrouter_v1_session_service_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
+var file_sessionrouter_v1_session_service_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
 var file_sessionrouter_v1_session_service_proto_goTypes = []any{
 	(PlacementMode)(0),              // 0: sessionrouter.v1.PlacementMode
 	(RewardStatus)(0),               // 1: sessionrouter.v1.RewardStatus
@@ -1936,80 +2144,86 @@ var file_sessionrouter_v1_session_service_proto_goTypes = []any{
 	(*ListGroupsRequest)(nil),       // 12: sessionrouter.v1.ListGroupsRequest
 	(*ListGroupsResponse)(nil),      // 13: sessionrouter.v1.ListGroupsResponse
 	(*RewardEntry)(nil),             // 14: sessionrouter.v1.RewardEntry
-	(*SubmitRewardsRequest)(nil),    // 15: sessionrouter.v1.SubmitRewardsRequest
-	(*RewardResult)(nil),            // 16: sessionrouter.v1.RewardResult
-	(*RewardAck)(nil),               // 17: sessionrouter.v1.RewardAck
-	(*SubmitRewardsResponse)(nil),   // 18: sessionrouter.v1.SubmitRewardsResponse
-	(*MemberReplaced)(nil),          // 19: sessionrouter.v1.MemberReplaced
-	(*SubscribeGroupsRequest)(nil),  // 20: sessionrouter.v1.SubscribeGroupsRequest
-	(*SubscribeGroupsResponse)(nil), // 21: sessionrouter.v1.SubscribeGroupsResponse
-	(*SetTrainerStateRequest)(nil),  // 22: sessionrouter.v1.SetTrainerStateRequest
-	(*SetTrainerStateResponse)(nil), // 23: sessionrouter.v1.SetTrainerStateResponse
-	(*GetTrainerStateRequest)(nil),  // 24: sessionrouter.v1.GetTrainerStateRequest
-	(*GetTrainerStateResponse)(nil), // 25: sessionrouter.v1.GetTrainerStateResponse
-	nil,                             // 26: sessionrouter.v1.StartSessionRequest.MetadataEntry
-	nil,                             // 27: sessionrouter.v1.StartGroupRequest.MetadataEntry
-	(*GroupOptions)(nil),            // 28: sessionrouter.v1.GroupOptions
-	(*Session)(nil),                 // 29: sessionrouter.v1.Session
-	(*Group)(nil),                   // 30: sessionrouter.v1.Group
-	(GroupState)(0),                 // 31: sessionrouter.v1.GroupState
-	(*GroupResult)(nil),             // 32: sessionrouter.v1.GroupResult
-	(*StalenessPolicy)(nil),         // 33: sessionrouter.v1.StalenessPolicy
-	(*TrainerState)(nil),            // 34: sessionrouter.v1.TrainerState
+	(*RewardColumns)(nil),           // 15: sessionrouter.v1.RewardColumns
+	(*SubmitRewardsRequest)(nil),    // 16: sessionrouter.v1.SubmitRewardsRequest
+	(*RewardResult)(nil),            // 17: sessionrouter.v1.RewardResult
+	(*RewardAck)(nil),               // 18: sessionrouter.v1.RewardAck
+	(*SubmitRewardsResponse)(nil),   // 19: sessionrouter.v1.SubmitRewardsResponse
+	(*MemberReplaced)(nil),          // 20: sessionrouter.v1.MemberReplaced
+	(*SubscribeGroupsRequest)(nil),  // 21: sessionrouter.v1.SubscribeGroupsRequest
+	(*SubscribeGroupsResponse)(nil), // 22: sessionrouter.v1.SubscribeGroupsResponse
+	(*SetTrainerStateRequest)(nil),  // 23: sessionrouter.v1.SetTrainerStateRequest
+	(*SetTrainerStateResponse)(nil), // 24: sessionrouter.v1.SetTrainerStateResponse
+	(*GetTrainerStateRequest)(nil),  // 25: sessionrouter.v1.GetTrainerStateRequest
+	(*GetTrainerStateResponse)(nil), // 26: sessionrouter.v1.GetTrainerStateResponse
+	nil,                             // 27: sessionrouter.v1.StartSessionRequest.MetadataEntry
+	nil,                             // 28: sessionrouter.v1.StartGroupRequest.MetadataEntry
+	(*GroupOptions)(nil),            // 29: sessionrouter.v1.GroupOptions
+	(*Session)(nil),                 // 30: sessionrouter.v1.Session
+	(*Group)(nil),                   // 31: sessionrouter.v1.Group
+	(GroupState)(0),                 // 32: sessionrouter.v1.GroupState
+	(*GroupResult)(nil),             // 33: sessionrouter.v1.GroupResult
+	(*GroupResultBatch)(nil),        // 34: sessionrouter.v1.GroupResultBatch
+	(*StalenessPolicy)(nil),         // 35: sessionrouter.v1.StalenessPolicy
+	(*TrainerState)(nil),            // 36: sessionrouter.v1.TrainerState
 }
 var file_sessionrouter_v1_session_service_proto_depIdxs = []int32{
-	26, // 0: sessionrouter.v1.StartSessionRequest.metadata:type_name -> sessionrouter.v1.StartSessionRequest.MetadataEntry
-	28, // 1: sessionrouter.v1.StartSessionRequest.group_options:type_name -> sessionrouter.v1.GroupOptions
+	27, // 0: sessionrouter.v1.StartSessionRequest.metadata:type_name -> sessionrouter.v1.StartSessionRequest.MetadataEntry
+	29, // 1: sessionrouter.v1.StartSessionRequest.group_options:type_name -> sessionrouter.v1.GroupOptions
 	0,  // 2: sessionrouter.v1.StartSessionRequest.placement_mode:type_name -> sessionrouter.v1.PlacementMode
-	29, // 3: sessionrouter.v1.StartSessionResponse.session:type_name -> sessionrouter.v1.Session
+	30, // 3: sessionrouter.v1.StartSessionResponse.session:type_name -> sessionrouter.v1.Session
 	0,  // 4: sessionrouter.v1.StartSessionResponse.placement_mode:type_name -> sessionrouter.v1.PlacementMode
-	27, // 5: sessionrouter.v1.StartGroupRequest.metadata:type_name -> sessionrouter.v1.StartGroupRequest.MetadataEntry
-	28, // 6: sessionrouter.v1.StartGroupRequest.group_options:type_name -> sessionrouter.v1.GroupOptions
+	28, // 5: sessionrouter.v1.StartGroupRequest.metadata:type_name -> sessionrouter.v1.StartGroupRequest.MetadataEntry
+	29, // 6: sessionrouter.v1.StartGroupRequest.group_options:type_name -> sessionrouter.v1.GroupOptions
 	0,  // 7: sessionrouter.v1.StartGroupRequest.placement_mode:type_name -> sessionrouter.v1.PlacementMode
-	30, // 8: sessionrouter.v1.StartGroupResponse.group:type_name -> sessionrouter.v1.Group
+	31, // 8: sessionrouter.v1.StartGroupResponse.group:type_name -> sessionrouter.v1.Group
 	0,  // 9: sessionrouter.v1.StartGroupResponse.placement_mode:type_name -> sessionrouter.v1.PlacementMode
-	29, // 10: sessionrouter.v1.AbortSessionResponse.session:type_name -> sessionrouter.v1.Session
-	29, // 11: sessionrouter.v1.GetSessionResponse.session:type_name -> sessionrouter.v1.Session
-	30, // 12: sessionrouter.v1.GetGroupResponse.group:type_name -> sessionrouter.v1.Group
+	30, // 10: sessionrouter.v1.AbortSessionResponse.session:type_name -> sessionrouter.v1.Session
+	30, // 11: sessionrouter.v1.GetSessionResponse.session:type_name -> sessionrouter.v1.Session
+	31, // 12: sessionrouter.v1.GetGroupResponse.group:type_name -> sessionrouter.v1.Group
 	0,  // 13: sessionrouter.v1.GetGroupResponse.placement_mode:type_name -> sessionrouter.v1.PlacementMode
-	31, // 14: sessionrouter.v1.ListGroupsRequest.state:type_name -> sessionrouter.v1.GroupState
-	30, // 15: sessionrouter.v1.ListGroupsResponse.groups:type_name -> sessionrouter.v1.Group
+	32, // 14: sessionrouter.v1.ListGroupsRequest.state:type_name -> sessionrouter.v1.GroupState
+	31, // 15: sessionrouter.v1.ListGroupsResponse.groups:type_name -> sessionrouter.v1.Group
 	14, // 16: sessionrouter.v1.SubmitRewardsRequest.entries:type_name -> sessionrouter.v1.RewardEntry
-	1,  // 17: sessionrouter.v1.RewardResult.status:type_name -> sessionrouter.v1.RewardStatus
-	16, // 18: sessionrouter.v1.RewardAck.results:type_name -> sessionrouter.v1.RewardResult
-	17, // 19: sessionrouter.v1.SubmitRewardsResponse.ack:type_name -> sessionrouter.v1.RewardAck
-	32, // 20: sessionrouter.v1.SubmitRewardsResponse.group_results:type_name -> sessionrouter.v1.GroupResult
-	19, // 21: sessionrouter.v1.SubmitRewardsResponse.replacements:type_name -> sessionrouter.v1.MemberReplaced
-	29, // 22: sessionrouter.v1.MemberReplaced.replacement:type_name -> sessionrouter.v1.Session
-	32, // 23: sessionrouter.v1.SubscribeGroupsResponse.groups:type_name -> sessionrouter.v1.GroupResult
-	33, // 24: sessionrouter.v1.SetTrainerStateRequest.policy:type_name -> sessionrouter.v1.StalenessPolicy
-	34, // 25: sessionrouter.v1.SetTrainerStateResponse.state:type_name -> sessionrouter.v1.TrainerState
-	34, // 26: sessionrouter.v1.GetTrainerStateResponse.state:type_name -> sessionrouter.v1.TrainerState
-	2,  // 27: sessionrouter.v1.SessionService.StartSession:input_type -> sessionrouter.v1.StartSessionRequest
-	4,  // 28: sessionrouter.v1.SessionService.StartGroup:input_type -> sessionrouter.v1.StartGroupRequest
-	6,  // 29: sessionrouter.v1.SessionService.AbortSession:input_type -> sessionrouter.v1.AbortSessionRequest
-	8,  // 30: sessionrouter.v1.SessionService.GetSession:input_type -> sessionrouter.v1.GetSessionRequest
-	10, // 31: sessionrouter.v1.SessionService.GetGroup:input_type -> sessionrouter.v1.GetGroupRequest
-	12, // 32: sessionrouter.v1.SessionService.ListGroups:input_type -> sessionrouter.v1.ListGroupsRequest
-	15, // 33: sessionrouter.v1.SessionService.SubmitRewards:input_type -> sessionrouter.v1.SubmitRewardsRequest
-	20, // 34: sessionrouter.v1.SessionService.SubscribeGroups:input_type -> sessionrouter.v1.SubscribeGroupsRequest
-	22, // 35: sessionrouter.v1.SessionService.SetTrainerState:input_type -> sessionrouter.v1.SetTrainerStateRequest
-	24, // 36: sessionrouter.v1.SessionService.GetTrainerState:input_type -> sessionrouter.v1.GetTrainerStateRequest
-	3,  // 37: sessionrouter.v1.SessionService.StartSession:output_type -> sessionrouter.v1.StartSessionResponse
-	5,  // 38: sessionrouter.v1.SessionService.StartGroup:output_type -> sessionrouter.v1.StartGroupResponse
-	7,  // 39: sessionrouter.v1.SessionService.AbortSession:output_type -> sessionrouter.v1.AbortSessionResponse
-	9,  // 40: sessionrouter.v1.SessionService.GetSession:output_type -> sessionrouter.v1.GetSessionResponse
-	11, // 41: sessionrouter.v1.SessionService.GetGroup:output_type -> sessionrouter.v1.GetGroupResponse
-	13, // 42: sessionrouter.v1.SessionService.ListGroups:output_type -> sessionrouter.v1.ListGroupsResponse
-	18, // 43: sessionrouter.v1.SessionService.SubmitRewards:output_type -> sessionrouter.v1.SubmitRewardsResponse
-	21, // 44: sessionrouter.v1.SessionService.SubscribeGroups:output_type -> sessionrouter.v1.SubscribeGroupsResponse
-	23, // 45: sessionrouter.v1.SessionService.SetTrainerState:output_type -> sessionrouter.v1.SetTrainerStateResponse
-	25, // 46: sessionrouter.v1.SessionService.GetTrainerState:output_type -> sessionrouter.v1.GetTrainerStateResponse
-	37, // [37:47] is the sub-list for method output_type
-	27, // [27:37] is the sub-list for method input_type
-	27, // [27:27] is the sub-list for extension type_name
-	27, // [27:27] is the sub-list for extension extendee
-	0,  // [0:27] is the sub-list for field type_name
+	15, // 17: sessionrouter.v1.SubmitRewardsRequest.columns:type_name -> sessionrouter.v1.RewardColumns
+	1,  // 18: sessionrouter.v1.RewardResult.status:type_name -> sessionrouter.v1.RewardStatus
+	17, // 19: sessionrouter.v1.RewardAck.results:type_name -> sessionrouter.v1.RewardResult
+	1,  // 20: sessionrouter.v1.RewardAck.statuses:type_name -> sessionrouter.v1.RewardStatus
+	18, // 21: sessionrouter.v1.SubmitRewardsResponse.ack:type_name -> sessionrouter.v1.RewardAck
+	33, // 22: sessionrouter.v1.SubmitRewardsResponse.group_results:type_name -> sessionrouter.v1.GroupResult
+	20, // 23: sessionrouter.v1.SubmitRewardsResponse.replacements:type_name -> sessionrouter.v1.MemberReplaced
+	34, // 24: sessionrouter.v1.SubmitRewardsResponse.result_batch:type_name -> sessionrouter.v1.GroupResultBatch
+	30, // 25: sessionrouter.v1.MemberReplaced.replacement:type_name -> sessionrouter.v1.Session
+	33, // 26: sessionrouter.v1.SubscribeGroupsResponse.groups:type_name -> sessionrouter.v1.GroupResult
+	34, // 27: sessionrouter.v1.SubscribeGroupsResponse.batch:type_name -> sessionrouter.v1.GroupResultBatch
+	35, // 28: sessionrouter.v1.SetTrainerStateRequest.policy:type_name -> sessionrouter.v1.StalenessPolicy
+	36, // 29: sessionrouter.v1.SetTrainerStateResponse.state:type_name -> sessionrouter.v1.TrainerState
+	36, // 30: sessionrouter.v1.GetTrainerStateResponse.state:type_name -> sessionrouter.v1.TrainerState
+	2,  // 31: sessionrouter.v1.SessionService.StartSession:input_type -> sessionrouter.v1.StartSessionRequest
+	4,  // 32: sessionrouter.v1.SessionService.StartGroup:input_type -> sessionrouter.v1.StartGroupRequest
+	6,  // 33: sessionrouter.v1.SessionService.AbortSession:input_type -> sessionrouter.v1.AbortSessionRequest
+	8,  // 34: sessionrouter.v1.SessionService.GetSession:input_type -> sessionrouter.v1.GetSessionRequest
+	10, // 35: sessionrouter.v1.SessionService.GetGroup:input_type -> sessionrouter.v1.GetGroupRequest
+	12, // 36: sessionrouter.v1.SessionService.ListGroups:input_type -> sessionrouter.v1.ListGroupsRequest
+	16, // 37: sessionrouter.v1.SessionService.SubmitRewards:input_type -> sessionrouter.v1.SubmitRewardsRequest
+	21, // 38: sessionrouter.v1.SessionService.SubscribeGroups:input_type -> sessionrouter.v1.SubscribeGroupsRequest
+	23, // 39: sessionrouter.v1.SessionService.SetTrainerState:input_type -> sessionrouter.v1.SetTrainerStateRequest
+	25, // 40: sessionrouter.v1.SessionService.GetTrainerState:input_type -> sessionrouter.v1.GetTrainerStateRequest
+	3,  // 41: sessionrouter.v1.SessionService.StartSession:output_type -> sessionrouter.v1.StartSessionResponse
+	5,  // 42: sessionrouter.v1.SessionService.StartGroup:output_type -> sessionrouter.v1.StartGroupResponse
+	7,  // 43: sessionrouter.v1.SessionService.AbortSession:output_type -> sessionrouter.v1.AbortSessionResponse
+	9,  // 44: sessionrouter.v1.SessionService.GetSession:output_type -> sessionrouter.v1.GetSessionResponse
+	11, // 45: sessionrouter.v1.SessionService.GetGroup:output_type -> sessionrouter.v1.GetGroupResponse
+	13, // 46: sessionrouter.v1.SessionService.ListGroups:output_type -> sessionrouter.v1.ListGroupsResponse
+	19, // 47: sessionrouter.v1.SessionService.SubmitRewards:output_type -> sessionrouter.v1.SubmitRewardsResponse
+	22, // 48: sessionrouter.v1.SessionService.SubscribeGroups:output_type -> sessionrouter.v1.SubscribeGroupsResponse
+	24, // 49: sessionrouter.v1.SessionService.SetTrainerState:output_type -> sessionrouter.v1.SetTrainerStateResponse
+	26, // 50: sessionrouter.v1.SessionService.GetTrainerState:output_type -> sessionrouter.v1.GetTrainerStateResponse
+	41, // [41:51] is the sub-list for method output_type
+	31, // [31:41] is the sub-list for method input_type
+	31, // [31:31] is the sub-list for extension type_name
+	31, // [31:31] is the sub-list for extension extendee
+	0,  // [0:31] is the sub-list for field type_name
 }
 
 func init() { file_sessionrouter_v1_session_service_proto_init() }
@@ -2021,15 +2235,15 @@ func file_sessionrouter_v1_session_service_proto_init() {
 	file_sessionrouter_v1_session_service_proto_msgTypes[0].OneofWrappers = []any{}
 	file_sessionrouter_v1_session_service_proto_msgTypes[2].OneofWrappers = []any{}
 	file_sessionrouter_v1_session_service_proto_msgTypes[12].OneofWrappers = []any{}
-	file_sessionrouter_v1_session_service_proto_msgTypes[14].OneofWrappers = []any{}
-	file_sessionrouter_v1_session_service_proto_msgTypes[20].OneofWrappers = []any{}
+	file_sessionrouter_v1_session_service_proto_msgTypes[15].OneofWrappers = []any{}
+	file_sessionrouter_v1_session_service_proto_msgTypes[21].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_sessionrouter_v1_session_service_proto_rawDesc), len(file_sessionrouter_v1_session_service_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   26,
+			NumMessages:   27,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

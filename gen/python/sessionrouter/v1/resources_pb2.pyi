@@ -315,6 +315,7 @@ class Session(_message.Message):
     MIN_VERSION_FIELD_NUMBER: _builtins.int
     MAX_VERSION_FIELD_NUMBER: _builtins.int
     INTERRUPTED_FIELD_NUMBER: _builtins.int
+    HANDLE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """`groups/{group_id}/sessions/{index}`."""
     group_id: _builtins.str
@@ -366,6 +367,14 @@ class Session(_message.Message):
     reported interrupted (BeginWeightUpdate with interrupt_sessions). A reward can still
     arrive for it.
     """
+    handle: _builtins.int
+    """A number that names this session wherever a reward can name it (RewardEntry.handle,
+    RewardColumns.handles), so that the router resolves a reward without parsing a name.
+    Never 0. Opaque: derive nothing from it. It is stable across restarts of a router with a
+    journal (it is made of journaled state: the group's creation number and the member's
+    index), and one router never gives two sessions the same handle; a handle of a session
+    no longer retained is unknown, as its name would be.
+    """
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Caller metadata given at start. At most 32 entries; keys at most 64 characters, values
@@ -397,10 +406,11 @@ class Session(_message.Message):
         min_version: _builtins.int = ...,
         max_version: _builtins.int = ...,
         interrupted: _builtins.bool = ...,
+        handle: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "_reward", b"_reward", "create_time", b"create_time", "filter_metric", b"filter_metric", "reward", b"reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "_reward", b"_reward", "create_time", b"create_time", "filter_metric", b"filter_metric", "group_id", b"group_id", "index", b"index", "interrupted", b"interrupted", "max_version", b"max_version", "metadata", b"metadata", "min_version", b"min_version", "name", b"name", "replaced_by", b"replaced_by", "replaces", b"replaces", "request_id", b"request_id", "reward", b"reward", "shares_worker", b"shares_worker", "start_version", b"start_version", "state", b"state", "task_id", b"task_id", "worker_address", b"worker_address", "worker_id", b"worker_id", "worker_lost", b"worker_lost"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "_reward", b"_reward", "create_time", b"create_time", "filter_metric", b"filter_metric", "group_id", b"group_id", "handle", b"handle", "index", b"index", "interrupted", b"interrupted", "max_version", b"max_version", "metadata", b"metadata", "min_version", b"min_version", "name", b"name", "replaced_by", b"replaced_by", "replaces", b"replaces", "request_id", b"request_id", "reward", b"reward", "shares_worker", b"shares_worker", "start_version", b"start_version", "state", b"state", "task_id", b"task_id", "worker_address", b"worker_address", "worker_id", b"worker_id", "worker_lost", b"worker_lost"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__filter_metric: _TypeAlias = _typing.Literal["filter_metric"]  # noqa: Y015
     _WhichOneofArgType__filter_metric: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric"]  # noqa: Y015
@@ -866,3 +876,171 @@ class TrainerState(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TrainerState: _TypeAlias = TrainerState  # noqa: Y015
+
+@_typing.final
+class GroupResultBatch(_message.Message):
+    """Several group results as flat, aligned arrays: the columnar form of a list of GroupResult,
+    with no sub-message per group or per member. Group g (0 <= g < G, G = len(cursors)) has
+    one entry in every per-group array; its counted members (GroupResult.sessions) are the
+    entries member_offsets[g] to member_offsets[g + 1] - 1 of every per-member array, in index
+    order; its excluded members are the entries excluded_offsets[g] to
+    excluded_offsets[g + 1] - 1 of the per-excluded arrays. A member's session name is
+    `groups/{group_ids[g]}/sessions/{member_indices[m]}`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CURSORS_FIELD_NUMBER: _builtins.int
+    GROUP_IDS_FIELD_NUMBER: _builtins.int
+    TASK_IDS_FIELD_NUMBER: _builtins.int
+    OUTCOMES_FIELD_NUMBER: _builtins.int
+    GROUP_SIZES_FIELD_NUMBER: _builtins.int
+    MEANS_FIELD_NUMBER: _builtins.int
+    STDS_FIELD_NUMBER: _builtins.int
+    DEGENERATE_FIELD_NUMBER: _builtins.int
+    FINALIZE_UNIX_NANOS_FIELD_NUMBER: _builtins.int
+    ESTIMATORS_FIELD_NUMBER: _builtins.int
+    ESTIMATOR_OF_FIELD_NUMBER: _builtins.int
+    MEMBER_OFFSETS_FIELD_NUMBER: _builtins.int
+    MEMBER_INDICES_FIELD_NUMBER: _builtins.int
+    REWARDS_FIELD_NUMBER: _builtins.int
+    ADVANTAGES_FIELD_NUMBER: _builtins.int
+    FILTER_METRICS_FIELD_NUMBER: _builtins.int
+    EXCLUDED_OFFSETS_FIELD_NUMBER: _builtins.int
+    EXCLUDED_INDICES_FIELD_NUMBER: _builtins.int
+    EXCLUDED_REPLACED_FIELD_NUMBER: _builtins.int
+    MIN_VERSIONS_FIELD_NUMBER: _builtins.int
+    MAX_VERSIONS_FIELD_NUMBER: _builtins.int
+    TRAINER_VERSIONS_FIELD_NUMBER: _builtins.int
+    ADMITTED_TRAINER_VERSIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def cursors(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per group (G entries each): GroupResult.cursor, in increasing order."""
+
+    @_builtins.property
+    def group_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Per group: GroupResult.group_id."""
+
+    @_builtins.property
+    def task_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Per group: GroupResult.task_id."""
+
+    @_builtins.property
+    def outcomes(self) -> _containers.RepeatedScalarFieldContainer[Global___GroupOutcome.ValueType]:
+        """Per group: GroupResult.outcome."""
+
+    @_builtins.property
+    def group_sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per group: GroupResult.group_size."""
+
+    @_builtins.property
+    def means(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Per group: GroupResult.mean."""
+
+    @_builtins.property
+    def stds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Per group: GroupResult.std."""
+
+    @_builtins.property
+    def degenerate(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """Per group: GroupResult.degenerate."""
+
+    @_builtins.property
+    def finalize_unix_nanos(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per group: GroupResult.finalize_time, nanoseconds since the Unix epoch."""
+
+    @_builtins.property
+    def estimators(self) -> _containers.RepeatedCompositeFieldContainer[Global___EstimatorConfig]:
+        """The distinct estimators of the batch, each with every parameter filled in."""
+
+    @_builtins.property
+    def estimator_of(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per group: the position in `estimators` of the group's estimator (GroupResult.estimator)."""
+
+    @_builtins.property
+    def member_offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """G + 1 offsets into the per-member arrays, from 0 to their length."""
+
+    @_builtins.property
+    def member_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per counted member: its index in its group."""
+
+    @_builtins.property
+    def rewards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Per counted member: its reward, float64."""
+
+    @_builtins.property
+    def advantages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Per counted member: its advantage, float64. A dropped group has no advantages: its
+        entries here are 0 and carry no meaning (GroupResult.advantages is empty).
+        """
+
+    @_builtins.property
+    def filter_metrics(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Per counted member, or empty when no group of the batch has filter metrics: its filter
+        metric; NaN for the members of a group whose GroupResult.filter_metrics is empty (a
+        filter metric itself is never NaN).
+        """
+
+    @_builtins.property
+    def excluded_offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """G + 1 offsets into the per-excluded arrays, from 0 to their length."""
+
+    @_builtins.property
+    def excluded_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per excluded member (GroupResult.excluded_sessions): its index in its group."""
+
+    @_builtins.property
+    def excluded_replaced(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """Per excluded member: true when it was replaced (GroupResult.replaced_sessions)."""
+
+    @_builtins.property
+    def min_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per group: GroupResult.min_version."""
+
+    @_builtins.property
+    def max_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per group: GroupResult.max_version."""
+
+    @_builtins.property
+    def trainer_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per group: GroupResult.trainer_version."""
+
+    @_builtins.property
+    def admitted_trainer_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per group: GroupResult.admitted_trainer_version."""
+
+    def __init__(
+        self,
+        *,
+        cursors: _abc.Iterable[_builtins.int] | None = ...,
+        group_ids: _abc.Iterable[_builtins.str] | None = ...,
+        task_ids: _abc.Iterable[_builtins.str] | None = ...,
+        outcomes: _abc.Iterable[Global___GroupOutcome.ValueType] | None = ...,
+        group_sizes: _abc.Iterable[_builtins.int] | None = ...,
+        means: _abc.Iterable[_builtins.float] | None = ...,
+        stds: _abc.Iterable[_builtins.float] | None = ...,
+        degenerate: _abc.Iterable[_builtins.bool] | None = ...,
+        finalize_unix_nanos: _abc.Iterable[_builtins.int] | None = ...,
+        estimators: _abc.Iterable[Global___EstimatorConfig] | None = ...,
+        estimator_of: _abc.Iterable[_builtins.int] | None = ...,
+        member_offsets: _abc.Iterable[_builtins.int] | None = ...,
+        member_indices: _abc.Iterable[_builtins.int] | None = ...,
+        rewards: _abc.Iterable[_builtins.float] | None = ...,
+        advantages: _abc.Iterable[_builtins.float] | None = ...,
+        filter_metrics: _abc.Iterable[_builtins.float] | None = ...,
+        excluded_offsets: _abc.Iterable[_builtins.int] | None = ...,
+        excluded_indices: _abc.Iterable[_builtins.int] | None = ...,
+        excluded_replaced: _abc.Iterable[_builtins.bool] | None = ...,
+        min_versions: _abc.Iterable[_builtins.int] | None = ...,
+        max_versions: _abc.Iterable[_builtins.int] | None = ...,
+        trainer_versions: _abc.Iterable[_builtins.int] | None = ...,
+        admitted_trainer_versions: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted_trainer_versions", b"admitted_trainer_versions", "advantages", b"advantages", "cursors", b"cursors", "degenerate", b"degenerate", "estimator_of", b"estimator_of", "estimators", b"estimators", "excluded_indices", b"excluded_indices", "excluded_offsets", b"excluded_offsets", "excluded_replaced", b"excluded_replaced", "filter_metrics", b"filter_metrics", "finalize_unix_nanos", b"finalize_unix_nanos", "group_ids", b"group_ids", "group_sizes", b"group_sizes", "max_versions", b"max_versions", "means", b"means", "member_indices", b"member_indices", "member_offsets", b"member_offsets", "min_versions", b"min_versions", "outcomes", b"outcomes", "rewards", b"rewards", "stds", b"stds", "task_ids", b"task_ids", "trainer_versions", b"trainer_versions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupResultBatch: _TypeAlias = GroupResultBatch  # noqa: Y015

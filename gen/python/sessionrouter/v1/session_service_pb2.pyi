@@ -570,6 +570,7 @@ class RewardEntry(_message.Message):
     FILTER_METRIC_FIELD_NUMBER: _builtins.int
     MIN_VERSION_FIELD_NUMBER: _builtins.int
     MAX_VERSION_FIELD_NUMBER: _builtins.int
+    HANDLE_FIELD_NUMBER: _builtins.int
     session: _builtins.str
     """`groups/{group_id}/sessions/{index}`."""
     reward: _builtins.float
@@ -587,6 +588,11 @@ class RewardEntry(_message.Message):
     REWARD_STATUS_INVALID_VERSIONS.
     """
     max_version: _builtins.int
+    handle: _builtins.int
+    """The session's handle (Session.handle), which the router resolves without parsing a name.
+    With a handle `session` may be empty; with both, they must name the same session, or the
+    entry is UNKNOWN_SESSION.
+    """
     def __init__(
         self,
         *,
@@ -595,10 +601,11 @@ class RewardEntry(_message.Message):
         filter_metric: _builtins.float | None = ...,
         min_version: _builtins.int = ...,
         max_version: _builtins.int = ...,
+        handle: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "filter_metric", b"filter_metric"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "filter_metric", b"filter_metric", "max_version", b"max_version", "min_version", b"min_version", "reward", b"reward", "session", b"session"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric", "filter_metric", b"filter_metric", "handle", b"handle", "max_version", b"max_version", "min_version", b"min_version", "reward", b"reward", "session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__filter_metric: _TypeAlias = _typing.Literal["filter_metric"]  # noqa: Y015
     _WhichOneofArgType__filter_metric: _TypeAlias = _typing.Literal["_filter_metric", b"_filter_metric"]  # noqa: Y015
@@ -607,13 +614,86 @@ class RewardEntry(_message.Message):
 Global___RewardEntry: _TypeAlias = RewardEntry  # noqa: Y015
 
 @_typing.final
+class RewardColumns(_message.Message):
+    """The entries of one request as parallel arrays (entry i is about `rewards[i]`): the
+    columnar form of `repeated RewardEntry`, with no sub-message per entry. Every entry is
+    checked as the same RewardEntry would be and gets the same status. An array that is
+    neither empty (where allowed) nor as long as `rewards` makes the request
+    INVALID_ARGUMENT (reason COLUMN_LENGTH_MISMATCH, with the array and both lengths).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HANDLES_FIELD_NUMBER: _builtins.int
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    REWARDS_FIELD_NUMBER: _builtins.int
+    FILTER_METRICS_FIELD_NUMBER: _builtins.int
+    MIN_VERSIONS_FIELD_NUMBER: _builtins.int
+    MAX_VERSIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def handles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per entry, or empty: the session's handle (Session.handle); 0 where the entry names its
+        session in `sessions` instead.
+        """
+
+    @_builtins.property
+    def sessions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Per entry, or empty: the session's name; "" where the entry gives a handle. With both
+        a handle and a name, they must name the same session (else UNKNOWN_SESSION); with
+        neither, the entry is UNKNOWN_SESSION.
+        """
+
+    @_builtins.property
+    def rewards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Per entry: the reward (RewardEntry.reward). Its length is the request's entry count."""
+
+    @_builtins.property
+    def filter_metrics(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Per entry, or empty when no entry carries one: RewardEntry.filter_metric. Entries with
+        and without a filter metric go in separate requests (or in the message form).
+        """
+
+    @_builtins.property
+    def min_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per entry, or empty: RewardEntry.min_version (0: none given)."""
+
+    @_builtins.property
+    def max_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per entry, or empty: RewardEntry.max_version (0: none given)."""
+
+    def __init__(
+        self,
+        *,
+        handles: _abc.Iterable[_builtins.int] | None = ...,
+        sessions: _abc.Iterable[_builtins.str] | None = ...,
+        rewards: _abc.Iterable[_builtins.float] | None = ...,
+        filter_metrics: _abc.Iterable[_builtins.float] | None = ...,
+        min_versions: _abc.Iterable[_builtins.int] | None = ...,
+        max_versions: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter_metrics", b"filter_metrics", "handles", b"handles", "max_versions", b"max_versions", "min_versions", b"min_versions", "rewards", b"rewards", "sessions", b"sessions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RewardColumns: _TypeAlias = RewardColumns  # noqa: Y015
+
+@_typing.final
 class SubmitRewardsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ENTRIES_FIELD_NUMBER: _builtins.int
     SEQUENCE_FIELD_NUMBER: _builtins.int
+    COLUMNS_FIELD_NUMBER: _builtins.int
+    COLUMNAR_RESULTS_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """Echoed in the ack, so that a client can match acks to requests. Free for the caller."""
+    columnar_results: _builtins.bool
+    """From this request on, the stream sends group results as GroupResultBatch
+    (SubmitRewardsResponse.result_batch) instead of GroupResult messages. Set it on the
+    first request; it cannot be turned off for the stream.
+    """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___RewardEntry]:
         """1 to 4096 entries. A request with none, or more, is INVALID_ARGUMENT (reason
@@ -621,15 +701,24 @@ class SubmitRewardsRequest(_message.Message):
         before it.
         """
 
+    @_builtins.property
+    def columns(self) -> Global___RewardColumns:
+        """The entries in columnar form, instead of `entries`: a request with both is
+        INVALID_ARGUMENT (reason MIXED_ENTRY_FORMS). The same limits apply (1 to 4096 entries).
+        Its ack is columnar too (RewardAck.statuses).
+        """
+
     def __init__(
         self,
         *,
         entries: _abc.Iterable[Global___RewardEntry] | None = ...,
         sequence: _builtins.int = ...,
+        columns: Global___RewardColumns | None = ...,
+        columnar_results: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["columns", b"columns"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "sequence", b"sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["columnar_results", b"columnar_results", "columns", b"columns", "entries", b"entries", "sequence", b"sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -672,24 +761,46 @@ Global___RewardResult: _TypeAlias = RewardResult  # noqa: Y015
 
 @_typing.final
 class RewardAck(_message.Message):
-    """The answer to one SubmitRewardsRequest: `results[i]` is about `entries[i]`."""
+    """The answer to one SubmitRewardsRequest: `results[i]` is about `entries[i]`; for a request in
+    columnar form, `statuses[i]` is about entry i instead, and `results` is empty.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     SEQUENCE_FIELD_NUMBER: _builtins.int
     RESULTS_FIELD_NUMBER: _builtins.int
+    STATUSES_FIELD_NUMBER: _builtins.int
+    DETAIL_ENTRIES_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___RewardResult]: ...
+    @_builtins.property
+    def statuses(self) -> _containers.RepeatedScalarFieldContainer[Global___RewardStatus.ValueType]:
+        """For a request in columnar form: one status per entry, packed."""
+
+    @_builtins.property
+    def detail_entries(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """For a request in columnar form: the entries that were not ACCEPTED, in increasing
+        order, each with the explanation in `details` at the same position.
+        """
+
+    @_builtins.property
+    def details(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Aligned with `detail_entries`: RewardResult.detail of each."""
+
     def __init__(
         self,
         *,
         sequence: _builtins.int = ...,
         results: _abc.Iterable[Global___RewardResult] | None = ...,
+        statuses: _abc.Iterable[Global___RewardStatus.ValueType] | None = ...,
+        detail_entries: _abc.Iterable[_builtins.int] | None = ...,
+        details: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results", "sequence", b"sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail_entries", b"detail_entries", "details", b"details", "results", b"results", "sequence", b"sequence", "statuses", b"statuses"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -706,6 +817,7 @@ class SubmitRewardsResponse(_message.Message):
     ACK_FIELD_NUMBER: _builtins.int
     GROUP_RESULTS_FIELD_NUMBER: _builtins.int
     REPLACEMENTS_FIELD_NUMBER: _builtins.int
+    RESULT_BATCH_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ack(self) -> Global___RewardAck:
         """Present when this message answers a request; acks come once per request, in request
@@ -724,16 +836,24 @@ class SubmitRewardsResponse(_message.Message):
         open SubmitRewards stream: the client that runs the group starts the new member.
         """
 
+    @_builtins.property
+    def result_batch(self) -> _resources_pb2.GroupResultBatch:
+        """Group results in columnar form, when the stream asked for them
+        (SubmitRewardsRequest.columnar_results); `group_results` is then empty. Same order and
+        promise as `group_results`.
+        """
+
     def __init__(
         self,
         *,
         ack: Global___RewardAck | None = ...,
         group_results: _abc.Iterable[_resources_pb2.GroupResult] | None = ...,
         replacements: _abc.Iterable[Global___MemberReplaced] | None = ...,
+        result_batch: _resources_pb2.GroupResultBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "result_batch", b"result_batch"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "group_results", b"group_results", "replacements", b"replacements"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "group_results", b"group_results", "replacements", b"replacements", "result_batch", b"result_batch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -782,6 +902,7 @@ class SubscribeGroupsRequest(_message.Message):
     FROM_LATEST_FIELD_NUMBER: _builtins.int
     SKIP_DEGENERATE_FIELD_NUMBER: _builtins.int
     MIN_VERSION_FIELD_NUMBER: _builtins.int
+    COLUMNAR_FIELD_NUMBER: _builtins.int
     after_cursor: _builtins.int
     """Deliver groups with a cursor greater than this one: 0 from the oldest retained group
     (whatever was evicted before it), or the last cursor the trainer processed. A nonzero
@@ -802,6 +923,10 @@ class SubscribeGroupsRequest(_message.Message):
     others are skipped, and counted in `skipped_groups`. Groups of unknown version (0) are
     skipped by any non-zero filter.
     """
+    columnar: _builtins.bool
+    """Deliver the groups of each message in columnar form (SubscribeGroupsResponse.batch)
+    instead of GroupResult messages.
+    """
     def __init__(
         self,
         *,
@@ -809,10 +934,11 @@ class SubscribeGroupsRequest(_message.Message):
         from_latest: _builtins.bool = ...,
         skip_degenerate: _builtins.bool = ...,
         min_version: _builtins.int = ...,
+        columnar: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_cursor", b"after_cursor", "from_latest", b"from_latest", "min_version", b"min_version", "skip_degenerate", b"skip_degenerate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_cursor", b"after_cursor", "columnar", b"columnar", "from_latest", b"from_latest", "min_version", b"min_version", "skip_degenerate", b"skip_degenerate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -826,6 +952,7 @@ class SubscribeGroupsResponse(_message.Message):
     SKIPPED_DEGENERATE_FIELD_NUMBER: _builtins.int
     LAST_CURSOR_FIELD_NUMBER: _builtins.int
     SKIPPED_GROUPS_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
     skipped_degenerate: _builtins.int
     """How many degenerate groups this message covers but leaves out (skip_degenerate)."""
     last_cursor: _builtins.int
@@ -844,6 +971,12 @@ class SubscribeGroupsResponse(_message.Message):
         Empty when every group of this message was skipped.
         """
 
+    @_builtins.property
+    def batch(self) -> _resources_pb2.GroupResultBatch:
+        """The groups of this message in columnar form, when the subscription asked for it
+        (SubscribeGroupsRequest.columnar); `groups` is then empty.
+        """
+
     def __init__(
         self,
         *,
@@ -851,10 +984,11 @@ class SubscribeGroupsResponse(_message.Message):
         skipped_degenerate: _builtins.int = ...,
         last_cursor: _builtins.int = ...,
         skipped_groups: _builtins.int = ...,
+        batch: _resources_pb2.GroupResultBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "last_cursor", b"last_cursor", "skipped_degenerate", b"skipped_degenerate", "skipped_groups", b"skipped_groups"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "groups", b"groups", "last_cursor", b"last_cursor", "skipped_degenerate", b"skipped_degenerate", "skipped_groups", b"skipped_groups"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -303,12 +303,26 @@ class GroupLedger:
         self._next_seq += 1
         return seq
 
+    def restart_seqs(self, seq: int) -> None:
+        """Numbers the next group ``seq`` (an empty ledger only: seqs never repeat)."""
+        if self._groups:
+            raise ValueError("only an empty ledger can restart its numbering")
+        self._next_seq = seq
+
     def skip_seqs_below(self, seq: int) -> None:
         """Never hands out a seq below ``seq`` (a journal used them already)."""
         self._next_seq = max(self._next_seq, seq)
 
     def find(self, group_id: str) -> GroupRecord | None:
         return self._groups.get(group_id)
+
+    def find_seq(self, seq: int) -> GroupRecord | None:
+        """The retained group created ``seq``-th (a session handle's group), or None."""
+        at = bisect.bisect_left(self._order_seq, seq)
+        if at == len(self._order_seq) or self._order_seq[at] != seq:
+            return None
+        group = self._groups.get(self._order_ids[at])
+        return group if group is not None and group.seq == seq else None
 
     def get(self, group_id: str) -> GroupRecord:
         group = self._groups.get(group_id)

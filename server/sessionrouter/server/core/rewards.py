@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from sessionrouter.server.core.errors import InvalidArgument
+
 
 class RewardStatus(enum.Enum):
     ACCEPTED = "accepted"
@@ -38,3 +40,132 @@ class RewardOutcome:
 
 
 ACCEPTED = RewardOutcome(RewardStatus.ACCEPTED)
+
+
+STATUS_CODES: dict[RewardStatus, int] = {
+    RewardStatus.ACCEPTED: 1,
+    RewardStatus.DUPLICATE: 2,
+    RewardStatus.CONFLICT: 3,
+    RewardStatus.UNKNOWN_SESSION: 4,
+    RewardStatus.NOT_FINITE: 5,
+    RewardStatus.SESSION_ABORTED: 6,
+    RewardStatus.GROUP_CLOSED: 7,
+    RewardStatus.INVALID_VERSIONS: 8,
+    RewardStatus.WRONG_SHARD: 9,
+}
+"""Each status as a small integer, the form a batch keeps its statuses in (one byte per
+entry). The numbers are the contract's (``RewardStatus`` in the proto), so the transport
+sends them as they are; a test pins the two tables together."""
+STATUS_OF_CODE: dict[int, RewardStatus] = {code: s for s, code in STATUS_CODES.items()}
+ACCEPTED_CODE = STATUS_CODES[RewardStatus.ACCEPTED]
+
+
+@dataclass(frozen=True, slots=True)
+class RewardBatch:
+    """The entries of one request as parallel columns (entry i is position i of each).
+
+    - ``rewards``: (n,) float rewards; n is the entry count.
+    - ``names``: (n,) session names ("" where the entry gives a handle), or None.
+    - ``handles``: (n,) session handles (0 where the entry gives a name), or None.
+    - ``metrics``: (n,) filter metrics, or None when no entry carries one; with
+      ``has_metric`` (n,) only the entries marked True carry theirs.
+    - ``min_versions``, ``max_versions``: (n,) the policy versions each generation used (0:
+      none given), or None when no entry gives any.
+    - ``columnar``: the request came in columnar form, so its ack goes back in it.
+
+    Python lists, not NumPy arrays: every entry is visited once by the one loop that applies
+    it, and converting a protobuf container to an array would cost that visit again.
+    """
+
+    rewards: list[float]
+    names: list[str] | None = None
+    handles: list[int] | None = None
+    metrics: list[float] | None = None
+    has_metric: list[bool] | None = None
+    min_versions: list[int] | None = None
+    max_versions: list[int] | None = None
+    columnar: bool = False
+
+    def __len__(self) -> int:
+        return len(self.rewards)
+
+
+@dataclass(slots=True)
+class BatchOutcome:
+    """What happened to each entry of a ``RewardBatch``: ``codes[i]`` is entry i's status
+    (``STATUS_CODES``), and the entries not accepted are listed in ``detail_entries`` with
+    their explanation at the same position of ``details``. No object per entry."""
+
+    codes: bytearray
+    detail_entries: list[int]
+    details: list[str]
+    columnar: bool = False
+    owners: dict[int, tuple[int, str]] | None = None
+    """WRONG_SHARD entries (sharded routers): entry index -> (owner shard, its address or
+    ""). None when no entry of the batch is another shard's."""
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def outcomes(self) -> list[RewardOutcome]:
+        """One RewardOutcome per entry (the message form, and tests)."""
+        found = dict(zip(self.detail_entries, self.details, strict=True))
+        owners = self.owners or {}
+        outcomes = []
+        for i, code in enumerate(self.codes):
+            if code == ACCEPTED_CODE:
+                outcomes.append(ACCEPTED)
+                continue
+            shard, address = owners.get(i, (None, ""))
+            outcomes.append(RewardOutcome(STATUS_OF_CODE[code], found.get(i, ""), shard, address))
+        return outcomes
+
+    def counts(self) -> dict[RewardStatus, int]:
+        """How many entries got each status (only those that occur): one count per status
+        over the bytes, not one counter update per entry."""
+        codes = bytes(self.codes)
+        found = {}
+        for status, code in STATUS_CODES.items():
+            count = codes.count(code)
+            if count:
+                found[status] = count
+        return found
+
+
+def reward_columns(
+    rewards: list[float],
+    names: list[str],
+    handles: list[int],
+    metrics: list[float],
+    min_versions: list[int] | None = None,
+    max_versions: list[int] | None = None,
+) -> RewardBatch:
+    """A columnar request's arrays as a batch. ``rewards`` sets the entry count; each other
+    array is empty or one per entry, else InvalidArgument COLUMN_LENGTH_MISMATCH naming the
+    array and both lengths (the request is malformed as a whole, so no entry is applied)."""
+    n = len(rewards)
+    lows, highs = min_versions or [], max_versions or []
+    for field, column in (
+        ("sessions", names),
+        ("handles", handles),
+        ("filter_metrics", metrics),
+        ("min_versions", lows),
+        ("max_versions", highs),
+    ):
+        if column and len(column) != n:
+            raise InvalidArgument(
+                "COLUMN_LENGTH_MISMATCH",
+                f"columns.{field} has {len(column)} values for {n} rewards: give one per"
+                " entry, or none",
+                metadata={"field": f"columns.{field}", "length": len(column), "rewards": n},
+                field_violations=[(f"columns.{field}", f"must be empty or hold {n} values")],
+            )
+    return RewardBatch(
+        rewards=rewards,
+        names=names or None,
+        handles=handles or None,
+        metrics=metrics or None,
+        min_versions=lows or None,
+        max_versions=highs or None,
+        columnar=True,
+    )

@@ -25,6 +25,7 @@ import dataclasses
 import heapq
 import logging
 import math
+import secrets
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
@@ -76,12 +77,17 @@ from sessionrouter.server.core.groups import (
 )
 from sessionrouter.server.core.placement import PlacementMode, PlacementPolicy, choose_worker
 from sessionrouter.server.core.recovery import RestoreSummary, rebuild
-from sessionrouter.server.core.rewards import ACCEPTED, RewardOutcome, RewardStatus
+from sessionrouter.server.core.rewards import (
+    STATUS_CODES,
+    BatchOutcome,
+    RewardBatch,
+    RewardOutcome,
+    RewardStatus,
+)
 from sessionrouter.server.core.settings import RouterSettings, RouterSnapshot, RouterStats
 from sessionrouter.server.core.sizes import map_bytes, member_bytes
 from sessionrouter.server.core.staleness import StalenessGate, StalenessPolicy
 from sessionrouter.server.core.streams import (
-    Entries,
     Entry,
     MemberReplaced,
     RewardFlow,
@@ -95,6 +101,7 @@ from sessionrouter.server.core.validation import (
     check_id,
     check_text,
     parse_session_name,
+    split_handle,
     try_parse_session_name,
 )
 from sessionrouter.server.core.weight_updates import (
@@ -128,6 +135,38 @@ __all__ = [  # the command, result and settings types live in their own modules
 
 log = logging.getLogger("sessionrouter.router")
 
+_NOT_FINITE = STATUS_CODES[RewardStatus.NOT_FINITE]
+_GROUP_CLOSED = STATUS_CODES[RewardStatus.GROUP_CLOSED]
+_INVALID_VERSIONS = STATUS_CODES[RewardStatus.INVALID_VERSIONS]
+_UNKNOWN_SESSION = STATUS_CODES[RewardStatus.UNKNOWN_SESSION]
+_WRONG_SHARD = STATUS_CODES[RewardStatus.WRONG_SHARD]
+
+
+def _not_finite_detail(reward: float, metric: float | None) -> str:
+    """Why a reward or its filter metric is refused NOT_FINITE (the reward is checked first)."""
+    if not math.isfinite(reward):
+        return f"reward {reward} is not finite"
+    if abs(reward) > MAX_REWARD_MAGNITUDE:
+        return (
+            f"reward {reward:g} is beyond the magnitude bound {MAX_REWARD_MAGNITUDE:g}"
+            " (its group statistics could overflow)"
+        )
+    return f"filter_metric {metric} is not finite"
+
+
+def _refused_detail(session: SessionRecord, reward: float, metric: float | None) -> tuple[int, str]:
+    """The status and detail of a reward for a session that is no longer open."""
+    name = session.name
+    if session.state is SessionState.ABORTED:
+        return STATUS_CODES[RewardStatus.SESSION_ABORTED], f"session {name[:200]!r} was aborted"
+    if session.reward == reward and session.filter_metric == metric:
+        return STATUS_CODES[RewardStatus.DUPLICATE], "the same reward is recorded"
+    return (
+        STATUS_CODES[RewardStatus.CONFLICT],
+        f"session {name[:200]!r} already has reward {session.reward!r}"
+        f" (filter_metric {session.filter_metric!r})",
+    )
+
 
 class SessionRouter:
     """Workers, placement, groups, rewards and deadlines, over one in-memory state."""
@@ -146,6 +185,13 @@ class SessionRouter:
         self.groups = GroupLedger(
             self.settings.finished_group_retention, self.settings.max_retained_bytes
         )
+        # Group seqs, and so session handles, start at a random multiple of 2**32 in a router
+        # kept in memory: restarted, it gives new groups seqs the previous process did not
+        # use, so a handle a client kept from that process is unknown here instead of naming
+        # another session. A journaled router numbers on from its journal (``restore``), so
+        # its handles survive restarts. Seqs stay below 2**47, handles below 2**63.
+        if journal is None:
+            self.groups.restart_seqs((secrets.randbelow(1 << 14) << 32) + 1)
         self.feed = GroupFeed(
             self.settings.feed_retention, bytes_limit=self.settings.max_retained_bytes
         )
@@ -837,108 +883,202 @@ class SessionRouter:
 
     def submit_rewards(
         self,
-        entries: Entries,
+        entries: Sequence[Entry],
         origin: StreamOrigin | None = None,
     ) -> list[RewardOutcome]:
         """Records a batch of (session name, reward[, filter metric[, min_version,
-        max_version]]); one outcome per entry, in order.
+        max_version]]) entries; one outcome per entry, in order (``submit_batch`` over the
+        same entries)."""
+        metrics = [e[2] if len(e) > 2 else None for e in entries]
+        has_metric = [m is not None for m in metrics]
+        versions = [(e[3], e[4]) if len(e) > 4 else (0, 0) for e in entries]
+        versioned = any(len(e) > 4 for e in entries)
+        batch = RewardBatch(
+            rewards=[e[1] for e in entries],
+            names=[e[0] for e in entries],
+            metrics=[m or 0.0 for m in metrics] if any(has_metric) else None,
+            has_metric=has_metric if any(has_metric) else None,
+            min_versions=[low for low, _ in versions] if versioned else None,
+            max_versions=[high for _, high in versions] if versioned else None,
+        )
+        return self.submit_batch(batch, origin).outcomes()
 
-        Only ACCEPTED entries change state. A group whose last reward arrives here is
-        finished and queued for reduction, and its result is owed to ``origin``."""
-        outcomes = [self._submit_entry(entry, origin) for entry in entries]
-        counts = self.stats.rewards
-        for outcome in outcomes:
-            counts[outcome.status] += 1
-        return outcomes
+    def submit_batch(self, batch: RewardBatch, origin: StreamOrigin | None = None) -> BatchOutcome:
+        """Records one request's rewards; one status per entry, in order.
 
-    def _submit_entry(self, entry: Entry, origin: StreamOrigin | None) -> RewardOutcome:
-        """One entry: (name, reward[, filter metric[, min_version, max_version]]). Versions
-        of 0 for one side mean the other; both 0 keep the session's start version. The
-        versions are recorded only when the reward is accepted."""
-        name, reward = entry[0], entry[1]
-        metric = entry[2] if len(entry) > 2 else None
-        if len(entry) < 5:
-            return self._submit_one(name, reward, metric, origin)
-        low, high = entry[3] or entry[4], entry[4] or entry[3]
-        if high > MAX_POLICY_VERSION:
-            return RewardOutcome(
-                RewardStatus.INVALID_VERSIONS,
-                f"max_version {high} is above the largest policy version {MAX_POLICY_VERSION}",
-            )
-        if low > high:
-            return RewardOutcome(
-                RewardStatus.INVALID_VERSIONS,
-                f"min_version {low} is above max_version {high}",
-            )
-        return self._submit_one(name, reward, metric, origin, (low, high) if low else None)
-
-    def _submit_one(
-        self,
-        name: str,
-        reward: float,
-        metric: float | None,
-        origin: StreamOrigin | None,
-        versions: tuple[int, int] | None = None,
-    ) -> RewardOutcome:
-        parsed = try_parse_session_name(name)
-        session = None if parsed is None else self.groups.find_session(*parsed)
-        if session is None:
-            if parsed is not None and self.foreign_reward is not None:
-                foreign = self.foreign_reward(parsed[0])
-                if foreign is not None:
-                    return foreign
-            return RewardOutcome(
-                RewardStatus.UNKNOWN_SESSION,
-                f"no session named {name[:200]!r}"
-                if parsed
-                else "session must look like groups/{group_id}/sessions/{index}",
-            )
-        if not math.isfinite(reward):
-            return RewardOutcome(RewardStatus.NOT_FINITE, f"reward {reward} is not finite")
-        if abs(reward) > MAX_REWARD_MAGNITUDE:
-            return RewardOutcome(
-                RewardStatus.NOT_FINITE,
-                f"reward {reward:g} is beyond the magnitude bound {MAX_REWARD_MAGNITUDE:g}"
-                " (its group statistics could overflow)",
-            )
-        if metric is not None and not math.isfinite(metric):
-            return RewardOutcome(RewardStatus.NOT_FINITE, f"filter_metric {metric} is not finite")
-        if session.state is SessionState.ABORTED:
-            return RewardOutcome(
-                RewardStatus.SESSION_ABORTED, f"session {name[:200]!r} was aborted"
-            )
-        if session.state is SessionState.REWARDED:
-            if session.reward == reward and session.filter_metric == metric:
-                return RewardOutcome(RewardStatus.DUPLICATE, "the same reward is recorded")
-            return RewardOutcome(
-                RewardStatus.CONFLICT,
-                f"session {name[:200]!r} already has reward {session.reward!r}"
-                f" (filter_metric {session.filter_metric!r})",
-            )
-        group = self.groups.get(session.group_id)
-        if group.state is not GroupState.OPEN:
-            return RewardOutcome(
-                RewardStatus.GROUP_CLOSED,
-                f"group {group.group_id!r} was {group.state.value} without this session",
-            )
-        if versions is not None:
-            session.min_version, session.max_version = versions
-            if self.journal is not None:
-                self.journal.append(SessionVersions(group.seq, session.index, *versions))
-        session.reward = float(reward)
-        session.state = SessionState.REWARDED
-        group.rewarded += 1
-        if metric is not None:
-            session.filter_metric = float(metric)
-        self.groups.record_reward(group, session)
-        if self.journal is not None:
-            self.journal.reward(group.seq, session.index, session.reward)
+        Only ACCEPTED entries change state, one after the other, so a later entry of the same
+        request for the same session is DUPLICATE or CONFLICT. A group whose last reward
+        arrives here is finished and queued for reduction, and its result is owed to
+        ``origin``. One loop over the entries, with one lookup per group per request (a
+        handle's group by its creation number, a name's by splitting it, never a regex on the
+        way that succeeds) and the statuses counted once per request."""
+        n = len(batch.rewards)
+        codes = bytearray(b"\x01") * n
+        detail_entries: list[int] = []
+        details: list[str] = []
+        sessions, unknown = self._resolve(batch)
+        rewards = batch.rewards
+        metrics = batch.metrics
+        has_metric = batch.has_metric
+        lows, highs = batch.min_versions, batch.max_versions
+        find_group = self.groups.find
+        journal = self.journal
+        release = self.workers.release_session
+        lost_free: dict[int, bool] = {}
+        owners: dict[int, tuple[int, str]] = {}
+        bound = MAX_REWARD_MAGNITUDE
+        OPEN, REWARDED = SessionState.OPEN, SessionState.REWARDED  # noqa: N806
+        for i in range(n):
+            versions = None
+            if lows is not None or highs is not None:
+                low = lows[i] if lows is not None else 0
+                high = highs[i] if highs is not None else 0
+                if low or high:
+                    low, high = low or high, high or low
+                    if high > MAX_POLICY_VERSION or low > high:
+                        codes[i] = _INVALID_VERSIONS
+                        detail_entries.append(i)
+                        details.append(
+                            f"max_version {high} is above the largest policy version"
+                            f" {MAX_POLICY_VERSION}"
+                            if high > MAX_POLICY_VERSION
+                            else f"min_version {low} is above max_version {high}"
+                        )
+                        continue
+                    versions = (low, high)
+            session = sessions[i]
+            if session is None:
+                foreign = self._foreign(batch, i)
+                detail_entries.append(i)
+                if foreign is None:
+                    codes[i] = _UNKNOWN_SESSION
+                    details.append(unknown[i])
+                else:
+                    codes[i] = _WRONG_SHARD
+                    details.append(foreign.detail)
+                    owners[i] = (foreign.owner_shard or 0, foreign.owner_address)
+                continue
+            reward = rewards[i]
+            metric = None
+            if metrics is not None and (has_metric is None or has_metric[i]):
+                metric = metrics[i]
+            if not -bound <= reward <= bound or (metric is not None and not math.isfinite(metric)):
+                codes[i] = _NOT_FINITE
+                detail_entries.append(i)
+                details.append(_not_finite_detail(reward, metric))
+                continue
+            state = session.state
+            if state is not OPEN:
+                code, detail = _refused_detail(session, reward, metric)
+                codes[i] = code
+                detail_entries.append(i)
+                details.append(detail)
+                continue
+            group = find_group(session.group_id)
+            assert group is not None
+            if group.state is not GroupState.OPEN:
+                codes[i] = _GROUP_CLOSED
+                detail_entries.append(i)
+                details.append(
+                    f"group {group.group_id!r} was {group.state.value} without this session"
+                )
+                continue
+            if versions is not None:
+                session.min_version, session.max_version = versions
+                if journal is not None:
+                    journal.append(SessionVersions(group.seq, session.index, *versions))
+            session.reward = reward = float(reward)
+            session.state = REWARDED
+            group.rewarded += 1
             if metric is not None:
-                self.journal.append(FilterMetricSaved(group.seq, session.index, float(metric)))
-        self.workers.release_session(session.worker_id, session.key)
-        if group.settled or group.stranded:
-            self._finish(group, origin)
-        return ACCEPTED
+                session.filter_metric = metric = float(metric)
+            self.groups.record_reward(group, session)
+            if journal is not None:
+                journal.reward(group.seq, session.index, reward)
+                if metric is not None:
+                    journal.append(FilterMetricSaved(group.seq, session.index, metric))
+            release(session.worker_id, (session.group_id, session.index))
+            if group.full:
+                if group.rewarded + group.aborted == len(group.members):
+                    self._finish(group, origin)  # settled
+                    continue
+                # Stranded (only lost members left open) is possible only with a lost member,
+                # and whether a member is lost cannot change during this call: look once.
+                seq = group.seq
+                clean = lost_free.get(seq)
+                if clean is None:
+                    clean = lost_free[seq] = not any(s.worker_lost for s in group.members)
+                if not clean and group.stranded:
+                    self._finish(group, origin)
+        outcome = BatchOutcome(codes, detail_entries, details, batch.columnar, owners or None)
+        counts = self.stats.rewards
+        for status, count in outcome.counts().items():
+            counts[status] += count
+        return outcome
+
+    def _foreign(self, batch: RewardBatch, i: int) -> RewardOutcome | None:
+        """Entry i's WRONG_SHARD outcome when its name is a session of another shard's group
+        (sharded routers only; a handle is this router's own numbering, so it never is)."""
+        if self.foreign_reward is None or batch.names is None or not batch.names[i]:
+            return None
+        parsed = try_parse_session_name(batch.names[i])
+        return None if parsed is None else self.foreign_reward(parsed[0])
+
+    def _resolve(self, batch: RewardBatch) -> tuple[list[SessionRecord | None], dict[int, str]]:
+        """The session each entry names (by handle, by name, or both, which must agree), or
+        None; and for those entries, why (the detail of their UNKNOWN_SESSION)."""
+        n = len(batch.rewards)
+        names, handles = batch.names, batch.handles
+        found: list[SessionRecord | None] = [None] * n
+        unknown: dict[int, str] = {}
+        by_seq: dict[int, GroupRecord | None] = {}
+        by_id: dict[str, GroupRecord | None] = {}
+        find_seq, find = self.groups.find_seq, self.groups.find
+        for i in range(n):
+            handle = handles[i] if handles is not None else 0
+            name = names[i] if names is not None else ""
+            session: SessionRecord | None = None
+            problem = ""
+            if handle:
+                seq, index = split_handle(handle)
+                group = by_seq[seq] if seq in by_seq else by_seq.setdefault(seq, find_seq(seq))
+                if group is not None and index < len(group.members):
+                    session = group.members[index]
+                    if name and name != session.name:
+                        problem = f"handle {handle} is session {session.name!r}, not {name[:200]!r}"
+                        session = None
+                else:
+                    problem = f"no session has handle {handle}"
+            elif name:
+                parts = name.split("/")
+                if len(parts) == 4 and parts[0] == "groups" and parts[2] == "sessions":
+                    group_id, text = parts[1], parts[3]
+                    group = (
+                        by_id[group_id]
+                        if group_id in by_id
+                        else by_id.setdefault(group_id, find(group_id))
+                    )
+                    if (
+                        group is not None
+                        and text.isascii()
+                        and text.isdigit()
+                        and len(text) <= 6
+                        and (text[0] != "0" or text == "0")
+                        and int(text) < len(group.members)
+                    ):
+                        session = group.members[int(text)]
+                if session is None:
+                    problem = (
+                        f"no session named {name[:200]!r}"
+                        if try_parse_session_name(name)
+                        else "session must look like groups/{group_id}/sessions/{index}"
+                    )
+            else:
+                problem = "the entry names no session: give its handle or its name"
+            if session is None:
+                unknown[i] = problem
+            found[i] = session
+        return found, unknown
 
     # -- finishing groups ------------------------------------------------------------------
 
@@ -1001,6 +1141,7 @@ class SessionRouter:
     def restore(self, state: RecoveredState) -> RestoreSummary:
         """Rebuilds an empty router from what a journal read back, before it serves (see
         ``core.recovery``), then finalizes the groups that had nothing left to wait for."""
+        self.groups.restart_seqs(1)  # the journal's numbering, not the in-memory random one
         rebuilt = rebuild(
             state, self.workers, self.groups, self.feed, self.clock.monotonic(), self.clock.wall()
         )

@@ -31,12 +31,12 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from sessionrouter.server.core.errors import InvalidArgument
 from sessionrouter.server.core.feed import GroupResult
 from sessionrouter.server.core.groups import GroupRecord, SessionRecord
-from sessionrouter.server.core.rewards import RewardOutcome
+from sessionrouter.server.core.rewards import BatchOutcome, RewardBatch, RewardOutcome
 from sessionrouter.server.core.sizes import map_bytes, member_bytes, result_bytes
 
 MAX_ENTRIES_PER_REQUEST = 4096
@@ -56,7 +56,14 @@ MAX_UNACKED_ENTRIES = 65_536
 def event_bytes(event: StreamEvent) -> int:
     """Wire-size estimate of one queued response event."""
     if isinstance(event, RewardAck):
-        return 16 + sum(8 + len(r.detail) for r in event.results)
+        results = event.results
+        if isinstance(results, BatchOutcome):
+            return (
+                16
+                + (2 if results.columnar else 8) * len(results)
+                + sum(8 + len(d) for d in results.details)
+            )
+        return 16 + sum(8 + len(r.detail) for r in results)
     if isinstance(event, MemberReplaced):
         new = event.replacement
         return (
@@ -78,7 +85,7 @@ class RewardAck:
     """Answer to one request: ``results[i]`` is about entry i."""
 
     sequence: int
-    results: Sequence[RewardOutcome]
+    results: Sequence[RewardOutcome] | BatchOutcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +109,11 @@ Entry = (
 """One reward entry: (session name, reward), optionally followed by the filter metric (None:
 none given), optionally followed by the (min_version, max_version) the generation used (0 and
 0: the session's start version)."""
-Entries = Sequence[Entry]
-"""The entries of one request."""
-Submit = Callable[[Entries, "StreamOrigin"], list[RewardOutcome]]
-"""Applies one request's entries (``SessionRouter.submit_rewards``)."""
+Entries = Sequence[Entry] | RewardBatch
+"""The entries of one request: ``Entry`` tuples, or the columns of a ``RewardBatch``."""
+Submit = Callable[[Any, "StreamOrigin"], Sequence[RewardOutcome] | BatchOutcome]
+"""Applies one request's entries (``SessionRouter.submit_batch`` for a ``RewardBatch``,
+``submit_rewards`` for tuples) and says what happened to each."""
 Commit = Callable[[], Awaitable[None]]
 """Returns an awaitable that resolves once every state change made *before the call* is
 durable; it raises the core's Unavailable once the journal has failed."""

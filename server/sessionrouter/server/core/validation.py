@@ -63,6 +63,24 @@ def session_name(group_id: str, index: int) -> str:
     return f"groups/{group_id}/sessions/{index}"
 
 
+HANDLE_INDEX_BITS = 16
+"""Low bits of a session handle that hold the member's index (indices stay below 2**11:
+1,024 members plus as many replacements)."""
+_HANDLE_INDEX_MASK = (1 << HANDLE_INDEX_BITS) - 1
+
+
+def session_handle(group_seq: int, index: int) -> int:
+    """The handle of member ``index`` of the group created ``group_seq``-th: the two numbers
+    that identify a session in the router's state, packed in one integer. Both are journaled,
+    so a restarted router hands out and resolves the same handles; never 0 (seqs start at 1)."""
+    return (group_seq << HANDLE_INDEX_BITS) | index
+
+
+def split_handle(handle: int) -> tuple[int, int]:
+    """(group seq, member index) of a handle."""
+    return handle >> HANDLE_INDEX_BITS, handle & _HANDLE_INDEX_MASK
+
+
 def parse_session_name(name: str, field: str = "session") -> tuple[str, int]:
     """Splits ``groups/{group_id}/sessions/{index}`` into (group_id, index)."""
     match = _SESSION_NAME_RE.fullmatch(name)

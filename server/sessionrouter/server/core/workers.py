@@ -6,7 +6,9 @@ The registry keeps a lazy min-heap of eligible workers keyed by load, so that fi
 least-loaded eligible worker costs O(log W) amortised instead of a scan over all W workers on
 every StartSession: every change of a worker bumps its version and pushes a fresh heap entry;
 entries whose version is stale, or whose worker is no longer eligible, are discarded when they
-reach the top. The heap is rebuilt when stale entries outnumber live ones, which bounds its
+reach the top. A freed slot that changes nothing but the load marks the worker stale instead,
+and its entry is pushed once before the next lookup (``refresh``), however many slots were
+freed in between. The heap is rebuilt when stale entries outnumber live ones, which bounds its
 size to O(W).
 
 Groups may restrict placement to workers carrying some labels (a *selector*). Each distinct
@@ -138,6 +140,8 @@ class WorkerRegistry:
         self._all = WorkerPool(())
         self._pools: dict[Selector, WorkerPool] = {(): self._all}
         self._uses = 0
+        self._stale: set[WorkerRecord] = set()
+        """Workers whose heap entries wait for ``refresh``: their load fell, nothing else."""
         self.on_worker_lost: Callable[[WorkerRecord, set[SessionKey]], None] | None = None
         """Called with the worker and its open sessions when it turns unhealthy or leaves."""
 
@@ -182,6 +186,7 @@ class WorkerRegistry:
 
     def pool(self, selector: Selector) -> WorkerPool:
         """The pool of ``selector``, built by one scan of the workers on first use."""
+        self.refresh()
         pool = self._pools.get(selector)
         if pool is None:
             if len(self._pools) > MAX_POOLS:
@@ -399,11 +404,20 @@ class WorkerRegistry:
 
         A worker that was deregistered meanwhile is simply gone: nothing to free."""
         worker = self._workers.get(worker_id)
-        if worker is None or key not in worker.open_sessions:
+        if worker is None:
             return
-        was_eligible = worker.eligible
-        worker.open_sessions.discard(key)
-        self._changed(worker, was_eligible)
+        sessions = worker.open_sessions
+        if key not in sessions:
+            return
+        was_full = len(sessions) >= worker.capacity
+        sessions.discard(key)
+        if was_full and worker.healthy and not worker.draining and not worker.updating_to:
+            self._changed(worker, False)  # eligible again: the counts change now
+        else:
+            # Eligibility (and so every count) is unchanged, only the load fell: the heap
+            # entry is refreshed once, before the next placement reads the heap, instead of
+            # once per released slot (a reward stream releases thousands per second).
+            self._stale.add(worker)
 
     # -- least-loaded index ----------------------------------------------------------------
 
@@ -413,6 +427,7 @@ class WorkerRegistry:
 
         Cost: O((k + s) log W) where k is the number of excluded workers met on the way
         (at most the group's size) and s the stale entries discarded."""
+        self.refresh()
         heap = self.pool(selector).heap
         skipped: list[_HeapEntry] = []
         found: WorkerRecord | None = None
@@ -430,6 +445,17 @@ class WorkerRegistry:
         for entry in skipped:
             heapq.heappush(heap, entry)
         return found
+
+    def refresh(self) -> None:
+        """Pushes fresh heap entries for the workers whose load fell since the last
+        placement (``release_session``); before that their entries show a load at most as
+        high as the one they had, so nothing reads the heaps without calling this first."""
+        if not self._stale:
+            return
+        stale, self._stale = self._stale, set()
+        for worker in stale:
+            if self._workers.get(worker.worker_id) is worker:
+                self._changed(worker, worker.eligible)
 
     def _changed(
         self,

@@ -28,7 +28,12 @@ from typing import Any
 
 import grpc
 
-from sessionrouter.server.core.errors import OutOfRange, RouterError, Unavailable
+from sessionrouter.server.core.errors import (
+    FailedPrecondition,
+    OutOfRange,
+    RouterError,
+    Unavailable,
+)
 from sessionrouter.server.core.router import SessionRouter
 from sessionrouter.server.core.streams import Commit, no_journal
 from sessionrouter.server.servicer import (
@@ -136,6 +141,19 @@ class ShardedSessionServicer(SessionServicer):
         from nats.errors import TimeoutError as NatsTimeout
         from nats.js import api
 
+        if request.columnar:
+            # The merged feed carries each group as its message from NATS; packing those into
+            # GroupResultBatch is not built yet, and an unpacked reply would look empty to a
+            # columnar subscriber, so the request is refused instead.
+            await self._abort(
+                context,
+                FailedPrecondition(
+                    "COLUMNAR_FEED_UNAVAILABLE",
+                    "sharded routers serve the merged feed in message form only: subscribe"
+                    " without columnar",
+                    field_violations=[("columnar", "not served by sharded routers")],
+                ),
+            )
         if not self._link.connected:
             await self._abort(context, self._nats_down(request.after_cursor))
         try:

@@ -1,0 +1,38 @@
+"""A freed slot refreshes its worker's heap entry once, before the next lookup."""
+
+from __future__ import annotations
+
+from sessionrouter.server.core.workers import WorkerRegistry
+
+
+def test_released_slots_are_seen_by_the_next_lookup_with_one_push_per_worker() -> None:
+    registry = WorkerRegistry(heartbeat_timeout_s=60.0)
+    a, _ = registry.register("a", "10.0.0.1:1", 100, {}, 0.0, 0.0)
+    b, _ = registry.register("b", "10.0.0.2:1", 100, {}, 0.0, 0.0)
+    for i in range(10):
+        registry.add_session(a, ("g", i))
+    for i in range(5):
+        registry.add_session(b, ("h", i))
+    assert registry.least_loaded(exclude=()) is b
+    heap = registry.pool(()).heap
+    before = len(heap)
+    for i in range(8):  # a falls to 2 open sessions, below b's 5
+        registry.release_session("a", ("g", i))
+    assert len(heap) == before  # nothing pushed per release...
+    assert registry.least_loaded(exclude=()) is a  # ...but the lookup sees the new load
+    assert len(registry.pool(()).heap) <= before + 1  # one push for a, however many releases
+
+
+def test_a_full_worker_that_frees_a_slot_is_eligible_at_once() -> None:
+    registry = WorkerRegistry(heartbeat_timeout_s=60.0)
+    a, _ = registry.register("a", "10.0.0.1:1", 2, {}, 0.0, 0.0)
+    registry.add_session(a, ("g", 0))
+    registry.add_session(a, ("g", 1))
+    assert registry.eligible_count == 0 and registry.least_loaded(exclude=()) is None
+    registry.release_session("a", ("g", 0))
+    assert registry.eligible_count == 1  # counts are never deferred
+    assert registry.pool(()).eligible_capacity == 2
+    assert registry.least_loaded(exclude=()) is a
+    registry.release_session("gone", ("g", 1))  # an unknown worker: nothing to free
+    registry.release_session("a", ("g", 7))  # a session it does not hold: nothing either
+    assert len(a.open_sessions) == 1
