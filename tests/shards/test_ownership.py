@@ -192,3 +192,30 @@ async def test_columnar_entries_for_another_shard_get_wrong_shard(shards: list[H
     assert theirs in response.ack.details[0] and s1.address in response.ack.details[0]
     await call.done_writing()
     call.cancel()
+
+
+async def test_results_on_a_reward_stream_name_their_shard(shards: list[Harness]) -> None:
+    """GroupResult.shard on the reward stream is the shard's index, as on the merged feed."""
+    s1 = shards[1]
+    group_id = owned_group(1, 3)
+    await s1.sessions.StartGroup(
+        spb.StartGroupRequest(task_id="t", group_id=group_id, group_size=2)
+    )
+    call = s1.sessions.SubmitRewards()
+    await call.write(
+        spb.SubmitRewardsRequest(
+            sequence=1,
+            entries=[
+                spb.RewardEntry(session=f"groups/{group_id}/sessions/{i}", reward=float(i))
+                for i in range(2)
+            ],
+        )
+    )
+    results = []
+    while not results:
+        response = await asyncio.wait_for(call.read(), 5)
+        assert isinstance(response, spb.SubmitRewardsResponse)
+        results.extend(response.group_results)
+    assert [(r.group_id, r.shard) for r in results] == [(group_id, 1)]
+    await call.done_writing()
+    call.cancel()

@@ -117,7 +117,7 @@ async def _reward_requests(
 
 
 def _pack_stream_events(
-    events: list[StreamEvent], columnar_results: bool = False
+    events: list[StreamEvent], columnar_results: bool = False, shard: int = 0
 ) -> list[spb.SubmitRewardsResponse]:
     """Packs queued stream events into as few messages as the contract allows: each ack
     opens a message, and the group results after it ride along (at most
@@ -161,6 +161,8 @@ def _pack_stream_events(
             size += grows
         else:
             result = convert.result_to_proto(event)
+            if shard:
+                result.shard = shard  # as on the merged feed
             grows = result.ByteSize() + 8  # the field's tag and length
             if (
                 current is None
@@ -390,6 +392,8 @@ class SessionServicer(_Refusing, spb_grpc.SessionServiceServicer):
         self._router = router
         self._commit = commit
         self._draining = False
+        self.result_shard = 0
+        """The shard index its group results carry (``GroupResult.shard``; 0 unsharded)."""
         # The router's own set: it sends replacement notices to the same open streams.
         self._reward_flows: set[RewardFlow] = router.reward_flows
         self._refusals = refusals or Refusals()
@@ -504,7 +508,9 @@ class SessionServicer(_Refusing, spb_grpc.SessionServiceServicer):
         reader = asyncio.create_task(stream.read(_reward_requests(request_iterator, form)))
         try:
             async for batch in stream.batches():
-                for response in _pack_stream_events(batch, form.columnar_results):
+                for response in _pack_stream_events(
+                    batch, form.columnar_results, self.result_shard
+                ):
                     yield response
             if reader.cancelled():
                 # Only drain() cancels a running intake (and so its reader).

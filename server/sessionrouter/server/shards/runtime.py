@@ -116,10 +116,9 @@ class ShardRuntime:
         self, commit: Commit, refusals: Refusals
     ) -> tuple[ShardedSessionServicer, ShardedWorkerServicer]:
         """The services of a sharded router: the merged feed, the shared pool."""
-        return (
-            ShardedSessionServicer(self.router, self.link, commit, refusals),
-            ShardedWorkerServicer(self.router, self.pool, commit, refusals),
-        )
+        sessions = ShardedSessionServicer(self.router, self.link, commit, refusals)
+        sessions.result_shard = self.config.shard.index
+        return sessions, ShardedWorkerServicer(self.router, self.pool, commit, refusals)
 
     def collector(self) -> ShardCollector:
         """The shard's metrics (refreshed on every tick)."""
