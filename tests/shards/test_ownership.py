@@ -211,7 +211,7 @@ async def test_results_on_a_reward_stream_name_their_shard(shards: list[Harness]
             ],
         )
     )
-    results = []
+    results: list[pb.GroupResult] = []
     while not results:
         response = await asyncio.wait_for(call.read(), 5)
         assert isinstance(response, spb.SubmitRewardsResponse)
