@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from typing import NoReturn, TypeVar
 
 import grpc
@@ -36,6 +36,7 @@ from sessionrouter.server.core.streams import (
     no_journal,
 )
 from sessionrouter.server.status import Refusals
+from sessionrouter.v1 import resources_pb2 as pb
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
 from sessionrouter.v1 import worker_service_pb2 as wpb
@@ -58,6 +59,7 @@ DEFAULT_ADMISSION_WAIT_S = 60.0
 """How long a start that asks to wait for admission waits when the call has no deadline."""
 
 _T = TypeVar("_T")
+_Item = TypeVar("_Item")
 
 
 async def _start(
@@ -193,17 +195,39 @@ def _feed_messages(
     puts each message's groups in one GroupResultBatch."""
     if columnar:
         return _columnar_feed_messages(batch, skip_degenerate, min_version)
+    return pack_feed_messages(
+        batch,
+        skip_degenerate,
+        min_version,
+        facts=lambda group: (group.cursor, group.min_version, group.degenerate),
+        to_proto=convert.result_to_proto,
+    )
+
+
+def pack_feed_messages(
+    batch: Sequence[_Item],
+    skip_degenerate: bool,
+    min_version: int,
+    *,
+    facts: Callable[[_Item], tuple[int, int, bool]],
+    to_proto: Callable[[_Item], pb.GroupResult],
+) -> list[spb.SubscribeGroupsResponse]:
+    """The message form of ``_feed_messages`` for any kind of item: ``facts`` gives an
+    item's (cursor, min_version, degenerate), and ``to_proto`` its message, asked only for
+    the groups sent. The single router's feed (core results) and a shard's merged feed
+    (messages read from the stream, keyed by stream sequence) both split with it."""
     messages: list[spb.SubscribeGroupsResponse] = []
     current = spb.SubscribeGroupsResponse()
     size = 0
     covered = 0
-    for group in batch:
-        if min_version and group.min_version < min_version:
+    for item in batch:
+        cursor, group_version, degenerate = facts(item)
+        if min_version and group_version < min_version:
             current.skipped_groups += 1
-        elif skip_degenerate and group.degenerate:
+        elif skip_degenerate and degenerate:
             current.skipped_degenerate += 1
         else:
-            result = convert.result_to_proto(group)
+            result = to_proto(item)
             grows = result.ByteSize() + 8  # the field's tag and length
             if current.groups and size + grows > MESSAGE_BYTE_BUDGET:
                 current.last_cursor = covered
@@ -211,7 +235,7 @@ def _feed_messages(
                 current, size = spb.SubscribeGroupsResponse(), 0
             current.groups.append(result)
             size += grows
-        covered = group.cursor
+        covered = cursor
     current.last_cursor = covered
     messages.append(current)
     return messages

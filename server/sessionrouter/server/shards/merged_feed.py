@@ -39,8 +39,8 @@ from sessionrouter.server.core.streams import Commit, no_journal
 from sessionrouter.server.servicer import (
     AFTER_CURSOR_HEADER,
     FEED_READ_BATCH,
-    MESSAGE_BYTE_BUDGET,
     SessionServicer,
+    pack_feed_messages,
 )
 from sessionrouter.server.shards.link import FEED_STREAM, FEED_SUBJECT_PREFIX, NatsLink
 from sessionrouter.server.status import Refusals
@@ -56,31 +56,15 @@ CONSUMER_INACTIVE_S = 60.0
 def merged_messages(
     batch: list[tuple[int, pb.GroupResult]], skip_degenerate: bool, min_version: int = 0
 ) -> list[spb.SubscribeGroupsResponse]:
-    """One fetched batch (stream order) as feed messages of at most MESSAGE_BYTE_BUDGET
-    bytes, as on a single router: a group below ``min_version`` is counted in
-    ``skipped_groups``, else a degenerate one (``skip_degenerate``) in
-    ``skipped_degenerate``, and ``last_cursor`` covers them."""
-    messages: list[spb.SubscribeGroupsResponse] = []
-    current = spb.SubscribeGroupsResponse()
-    size = 0
-    covered = 0
-    for sequence, result in batch:
-        if min_version and result.min_version < min_version:
-            current.skipped_groups += 1
-        elif skip_degenerate and result.degenerate:
-            current.skipped_degenerate += 1
-        else:
-            grows = result.ByteSize() + 8
-            if current.groups and size + grows > MESSAGE_BYTE_BUDGET:
-                current.last_cursor = covered
-                messages.append(current)
-                current, size = spb.SubscribeGroupsResponse(), 0
-            current.groups.append(result)
-            size += grows
-        covered = sequence
-    current.last_cursor = covered
-    messages.append(current)
-    return messages
+    """One fetched batch (stream order) as feed messages, split and filtered as on a single
+    router (``pack_feed_messages``): the cursor is the stream sequence."""
+    return pack_feed_messages(
+        batch,
+        skip_degenerate,
+        min_version,
+        facts=lambda item: (item[0], item[1].min_version, item[1].degenerate),
+        to_proto=lambda item: item[1],
+    )
 
 
 class ShardedSessionServicer(SessionServicer):
