@@ -211,6 +211,7 @@ def result_batch_from_proto(msg: resources_pb2.GroupResultBatch) -> types.Result
         max_versions=np.array(msg.max_versions, dtype=np.uint64),
         trainer_versions=np.array(msg.trainer_versions, dtype=np.uint64),
         admitted_trainer_versions=np.array(msg.admitted_trainer_versions, dtype=np.uint64),
+        shards=np.array(msg.shards, dtype=np.uint32),
     )
 
 

@@ -494,7 +494,7 @@ class RewardAckBatch:
         )
 
 
-def _at(values: npt.NDArray[np.uint64], g: int) -> int:
+def _at(values: npt.NDArray[np.uint64] | npt.NDArray[np.uint32], g: int) -> int:
     """Entry g of a per-group array, 0 when the router sent none (an older router)."""
     return int(values[g]) if g < len(values) else 0
 
@@ -526,7 +526,9 @@ class ResultBatch:
       uint32, ``excluded_replaced`` bool;
     - per group, uint64 (G,): ``min_versions``, ``max_versions``, ``trainer_versions``,
       ``admitted_trainer_versions`` (the version fields of ``GroupResult``; all zeros from
-      a router without versions).
+      a router without versions);
+    - ``shards`` uint32 (G,): the shard that owns each group (``GroupResult.shard``); shape
+      (0,) from a single router, where every group is shard 0's.
 
     ``groups`` gives the typed per-group view (``GroupResult``), built the first time it is
     read; ``group_of_member`` maps members to groups for segmented NumPy work.
@@ -555,6 +557,7 @@ class ResultBatch:
     max_versions: npt.NDArray[np.uint64]
     trainer_versions: npt.NDArray[np.uint64]
     admitted_trainer_versions: npt.NDArray[np.uint64]
+    shards: npt.NDArray[np.uint32] = field(default_factory=lambda: np.zeros(0, dtype=np.uint32))
     _views: tuple[GroupResult, ...] | None = field(default=None, init=False, repr=False)
 
     def __len__(self) -> int:
@@ -617,6 +620,7 @@ class ResultBatch:
             max_version=_at(self.max_versions, g),
             trainer_version=_at(self.trainer_versions, g),
             admitted_trainer_version=_at(self.admitted_trainer_versions, g),
+            shard=_at(self.shards, g),
         )
 
     def after(self, cursor: int) -> ResultBatch:
@@ -650,4 +654,5 @@ class ResultBatch:
             max_versions=self.max_versions[start:],
             trainer_versions=self.trainer_versions[start:],
             admitted_trainer_versions=self.admitted_trainer_versions[start:],
+            shards=self.shards[start:],
         )

@@ -475,10 +475,20 @@ type Session struct {
 	Interrupted bool `protobuf:"varint,43,opt,name=interrupted,proto3" json:"interrupted,omitempty"`
 	// A number that names this session wherever a reward can name it (RewardEntry.handle,
 	// RewardColumns.handles), so that the router resolves a reward without parsing a name.
-	// Never 0. Opaque: derive nothing from it. It is stable across restarts of a router with a
-	// journal (it is made of journaled state: the group's creation number and the member's
-	// index), and one router never gives two sessions the same handle; a handle of a session
-	// no longer retained is unknown, as its name would be.
+	// Never 0. It is stable across restarts of a router with a journal (it is made of
+	// journaled state: the group's creation number and the member's index), and one router
+	// never gives two sessions the same handle; a handle of a session no longer retained is
+	// unknown, as its name would be.
+	//
+	// Its bits are opaque except for one rule, so that a client can route it to its shard:
+	// when bit 63 is set (handle >= 2^63), the handle comes from a sharded router and bits 48
+	// to 62 hold the index of the shard that owns its group:
+	//
+	//	shard = (handle >> 48) & 0x7fff    (only when handle >> 63 == 1)
+	//
+	// A sharded router hands out only such handles; a single router's handles keep bit 63
+	// clear (they name no shard). A shard answers a handle naming another shard with reward
+	// status WRONG_SHARD and that owner, never with another session.
 	Handle        uint64 `protobuf:"varint,70,opt,name=handle,proto3" json:"handle,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1480,8 +1490,11 @@ type GroupResultBatch struct {
 	TrainerVersions []uint64 `protobuf:"varint,22,rep,packed,name=trainer_versions,json=trainerVersions,proto3" json:"trainer_versions,omitempty"`
 	// Per group: GroupResult.admitted_trainer_version.
 	AdmittedTrainerVersions []uint64 `protobuf:"varint,23,rep,packed,name=admitted_trainer_versions,json=admittedTrainerVersions,proto3" json:"admitted_trainer_versions,omitempty"`
-	unknownFields           protoimpl.UnknownFields
-	sizeCache               protoimpl.SizeCache
+	// Per group, or empty when every group is shard 0's (a single router): GroupResult.shard,
+	// the shard that owns the group. Filled on the merged feed of a sharded router.
+	Shards        []uint32 `protobuf:"varint,92,rep,packed,name=shards,proto3" json:"shards,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GroupResultBatch) Reset() {
@@ -1675,6 +1688,13 @@ func (x *GroupResultBatch) GetAdmittedTrainerVersions() []uint64 {
 	return nil
 }
 
+func (x *GroupResultBatch) GetShards() []uint32 {
+	if x != nil {
+		return x.Shards
+	}
+	return nil
+}
+
 var File_sessionrouter_v1_resources_proto protoreflect.FileDescriptor
 
 const file_sessionrouter_v1_resources_proto_rawDesc = "" +
@@ -1813,7 +1833,7 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\x18weight_update_fleet_wide\x18\b \x01(\bR\x15weightUpdateFleetWide\x12)\n" +
 	"\x10workers_updating\x18\t \x01(\rR\x0fworkersUpdating\x128\n" +
 	"\x18distinct_worker_versions\x18\n" +
-	" \x01(\rR\x16distinctWorkerVersions\"\x86\a\n" +
+	" \x01(\rR\x16distinctWorkerVersions\"\x9e\a\n" +
 	"\x10GroupResultBatch\x12\x18\n" +
 	"\acursors\x18\x01 \x03(\x04R\acursors\x12\x1b\n" +
 	"\tgroup_ids\x18\x02 \x03(\tR\bgroupIds\x12\x19\n" +
@@ -1845,7 +1865,8 @@ const file_sessionrouter_v1_resources_proto_rawDesc = "" +
 	"\fmin_versions\x18\x14 \x03(\x04R\vminVersions\x12!\n" +
 	"\fmax_versions\x18\x15 \x03(\x04R\vmaxVersions\x12)\n" +
 	"\x10trainer_versions\x18\x16 \x03(\x04R\x0ftrainerVersions\x12:\n" +
-	"\x19admitted_trainer_versions\x18\x17 \x03(\x04R\x17admittedTrainerVersionsJ\x04\b\x18\x10(*e\n" +
+	"\x19admitted_trainer_versions\x18\x17 \x03(\x04R\x17admittedTrainerVersions\x12\x16\n" +
+	"\x06shards\x18\\ \x03(\rR\x06shardsJ\x04\b\x18\x10(*e\n" +
 	"\fWorkerHealth\x12\x1d\n" +
 	"\x19WORKER_HEALTH_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15WORKER_HEALTH_HEALTHY\x10\x01\x12\x1b\n" +

@@ -370,10 +370,18 @@ class Session(_message.Message):
     handle: _builtins.int
     """A number that names this session wherever a reward can name it (RewardEntry.handle,
     RewardColumns.handles), so that the router resolves a reward without parsing a name.
-    Never 0. Opaque: derive nothing from it. It is stable across restarts of a router with a
-    journal (it is made of journaled state: the group's creation number and the member's
-    index), and one router never gives two sessions the same handle; a handle of a session
-    no longer retained is unknown, as its name would be.
+    Never 0. It is stable across restarts of a router with a journal (it is made of
+    journaled state: the group's creation number and the member's index), and one router
+    never gives two sessions the same handle; a handle of a session no longer retained is
+    unknown, as its name would be.
+
+    Its bits are opaque except for one rule, so that a client can route it to its shard:
+    when bit 63 is set (handle >= 2^63), the handle comes from a sharded router and bits 48
+    to 62 hold the index of the shard that owns its group:
+      shard = (handle >> 48) & 0x7fff    (only when handle >> 63 == 1)
+    A sharded router hands out only such handles; a single router's handles keep bit 63
+    clear (they name no shard). A shard answers a handle naming another shard with reward
+    status WRONG_SHARD and that owner, never with another session.
     """
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -913,6 +921,7 @@ class GroupResultBatch(_message.Message):
     MAX_VERSIONS_FIELD_NUMBER: _builtins.int
     TRAINER_VERSIONS_FIELD_NUMBER: _builtins.int
     ADMITTED_TRAINER_VERSIONS_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def cursors(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Per group (G entries each): GroupResult.cursor, in increasing order."""
@@ -1010,6 +1019,12 @@ class GroupResultBatch(_message.Message):
     def admitted_trainer_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Per group: GroupResult.admitted_trainer_version."""
 
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per group, or empty when every group is shard 0's (a single router): GroupResult.shard,
+        the shard that owns the group. Filled on the merged feed of a sharded router.
+        """
+
     def __init__(
         self,
         *,
@@ -1036,10 +1051,11 @@ class GroupResultBatch(_message.Message):
         max_versions: _abc.Iterable[_builtins.int] | None = ...,
         trainer_versions: _abc.Iterable[_builtins.int] | None = ...,
         admitted_trainer_versions: _abc.Iterable[_builtins.int] | None = ...,
+        shards: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted_trainer_versions", b"admitted_trainer_versions", "advantages", b"advantages", "cursors", b"cursors", "degenerate", b"degenerate", "estimator_of", b"estimator_of", "estimators", b"estimators", "excluded_indices", b"excluded_indices", "excluded_offsets", b"excluded_offsets", "excluded_replaced", b"excluded_replaced", "filter_metrics", b"filter_metrics", "finalize_unix_nanos", b"finalize_unix_nanos", "group_ids", b"group_ids", "group_sizes", b"group_sizes", "max_versions", b"max_versions", "means", b"means", "member_indices", b"member_indices", "member_offsets", b"member_offsets", "min_versions", b"min_versions", "outcomes", b"outcomes", "rewards", b"rewards", "stds", b"stds", "task_ids", b"task_ids", "trainer_versions", b"trainer_versions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted_trainer_versions", b"admitted_trainer_versions", "advantages", b"advantages", "cursors", b"cursors", "degenerate", b"degenerate", "estimator_of", b"estimator_of", "estimators", b"estimators", "excluded_indices", b"excluded_indices", "excluded_offsets", b"excluded_offsets", "excluded_replaced", b"excluded_replaced", "filter_metrics", b"filter_metrics", "finalize_unix_nanos", b"finalize_unix_nanos", "group_ids", b"group_ids", "group_sizes", b"group_sizes", "max_versions", b"max_versions", "means", b"means", "member_indices", b"member_indices", "member_offsets", b"member_offsets", "min_versions", b"min_versions", "outcomes", b"outcomes", "rewards", b"rewards", "shards", b"shards", "stds", b"stds", "task_ids", b"task_ids", "trainer_versions", b"trainer_versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

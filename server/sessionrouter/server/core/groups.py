@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
-from sessionrouter.server.core.errors import NotFound
+from sessionrouter.server.core.errors import NotFound, ResourceExhausted
 from sessionrouter.server.core.estimators import EstimatorParams
 from sessionrouter.server.core.placement import PlacementPolicy
 from sessionrouter.server.core.sizes import map_bytes, member_bytes
@@ -287,6 +287,8 @@ class GroupLedger:
         self._order_seq: list[int] = []
         self._order_ids: list[str] = []
         self._next_seq = 1
+        self._seq_floor = 0
+        self._seq_limit = 1 << 47
         self.open_groups = 0
         self.arenas: dict[int, RewardArena] = {}
         """Reward slots of the open groups, by group size."""
@@ -300,14 +302,32 @@ class GroupLedger:
 
     def next_seq(self) -> int:
         seq = self._next_seq
+        if seq >= self._seq_limit:
+            raise ResourceExhausted(
+                "GROUP_NUMBERS_EXHAUSTED",
+                f"this router has numbered every group its range allows (up to {seq - 1});"
+                " restart it with a fresh journal",
+                metadata={"last_seq": seq - 1},
+            )
         self._next_seq += 1
         return seq
 
     def restart_seqs(self, seq: int) -> None:
-        """Numbers the next group ``seq`` (an empty ledger only: seqs never repeat)."""
+        """Numbers the next group ``seq`` (an empty ledger only: seqs never repeat), or the
+        first seq of the range ``number_within`` set, when that is higher."""
         if self._groups:
             raise ValueError("only an empty ledger can restart its numbering")
-        self._next_seq = seq
+        self._next_seq = max(seq, self._seq_floor + 1)
+
+    def number_within(self, floor: int, span: int, offset: int) -> None:
+        """Hands out seqs in ``(floor, floor + span)`` only, from ``floor + offset + 1`` on
+        (an empty ledger only), restarts included: a sharded router's seqs carry its shard
+        in their high bits, so its session handles name their shard. A journal's older seqs
+        below ``floor`` stay valid for their groups."""
+        if self._groups:
+            raise ValueError("only an empty ledger can change its numbering")
+        self._seq_floor, self._seq_limit = floor, floor + span
+        self._next_seq = floor + offset + 1
 
     def skip_seqs_below(self, seq: int) -> None:
         """Never hands out a seq below ``seq`` (a journal used them already)."""

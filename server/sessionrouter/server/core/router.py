@@ -223,6 +223,9 @@ class SessionRouter:
         self.foreign_reward: Callable[[str], RewardOutcome | None] | None = None
         """For a reward entry naming a group this router does not hold: the outcome when the
         group is another shard's (WRONG_SHARD), None to answer UNKNOWN_SESSION."""
+        self.foreign_handle: Callable[[int], RewardOutcome | None] | None = None
+        """The same for a handle this router cannot resolve: WRONG_SHARD when it names
+        another shard (sharded routers' handles carry their shard), None otherwise."""
 
     # -- the router's life -----------------------------------------------------------------
 
@@ -1017,8 +1020,11 @@ class SessionRouter:
         return outcome
 
     def _foreign(self, batch: RewardBatch, i: int) -> RewardOutcome | None:
-        """Entry i's WRONG_SHARD outcome when its name is a session of another shard's group
-        (sharded routers only; a handle is this router's own numbering, so it never is)."""
+        """Entry i's WRONG_SHARD outcome when its handle names another shard, or its name
+        a session of another shard's group (sharded routers only)."""
+        handle = batch.handles[i] if batch.handles is not None else 0
+        if handle and self.foreign_handle is not None:
+            return self.foreign_handle(handle)
         if self.foreign_reward is None or batch.names is None or not batch.names[i]:
             return None
         parsed = try_parse_session_name(batch.names[i])

@@ -11,16 +11,43 @@ otherwise). The default ``0/1`` is the single process: every group is its own.
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sessionrouter.client.shardmap import MAX_SHARDS, shard_of
+from sessionrouter.client.shardmap import (
+    HANDLE_SHARD_SHIFT,
+    MAX_SHARDS,
+    SHARDED_HANDLE_BIT,
+    shard_of,
+    shard_of_handle,
+)
 from sessionrouter.server.core.errors import FailedPrecondition, InvalidArgument
 from sessionrouter.server.core.rewards import RewardOutcome, RewardStatus
 
 GROUP_HEADER = "x-group-id"
 """Request header a proxy routes on (nginx ``hash $http_x_group_id``)."""
+
+HANDLE_SEQ_BITS = 16
+"""Low bits of a handle below its group's seq (the member index; ``core.validation``)."""
+SEQ_SPAN = 1 << 32
+"""Group seqs of one shard: its handles are ``(seq << 16) | index`` with
+``seq = 2**47 | shard << 32 | n``, n below 2**32, so bit 63 is set and bits 48-62 are the
+shard (the layout the proto's ``Session.handle`` states)."""
+
+
+def shard_seq_floor(shard: int) -> int:
+    """The seq below the first one shard ``shard`` hands out."""
+    return (SHARDED_HANDLE_BIT | shard << HANDLE_SHARD_SHIFT) >> HANDLE_SEQ_BITS
+
+
+def memory_seq_offset() -> int:
+    """Where an in-memory shard starts numbering in its range: a random multiple of 2**24
+    below 2**31, so a handle kept from an earlier process is unknown, not another session
+    (a journaled shard numbers on from its journal and its handles survive restarts)."""
+    return secrets.randbelow(1 << 7) << 24
+
 
 MINT_ATTEMPTS = 100_000
 """Random ids tried before minting gives up; with N shards a try succeeds with chance 1/N,
@@ -135,6 +162,21 @@ class Ownership:
         return RewardOutcome(
             RewardStatus.WRONG_SHARD,
             f"group {group_id[:200]!r} belongs to shard {owner} of {self.shard.count}{where}",
+            owner_shard=owner,
+            owner_address=address,
+        )
+
+    def foreign_handle(self, handle: int) -> RewardOutcome | None:
+        """The outcome of a reward entry whose handle names another shard (None: it names
+        this one, or no shard, and is then unknown here)."""
+        owner = shard_of_handle(handle)
+        if owner is None or owner == self.shard.index:
+            return None
+        address = self._address_of(owner) if owner < self.shard.count else ""
+        where = f" at {address}" if address else ""
+        return RewardOutcome(
+            RewardStatus.WRONG_SHARD,
+            f"handle {handle} names shard {owner} of {self.shard.count}{where}",
             owner_shard=owner,
             owner_address=address,
         )

@@ -5,7 +5,8 @@ published after its journal commit), so a trainer follows one feed whichever sha
 reaches, with the same API: the cursor is the stream's sequence, one sequence across shards,
 and ``after_cursor`` resumes after it. The filters of SubscribeGroups apply as on a single
 router (``min_version`` and ``skip_degenerate`` count and skip, ``last_cursor`` covers
-skipped groups).
+skipped groups), in either form: GroupResult messages, or with ``columnar`` one
+GroupResultBatch per message, built from the same groups with the same cursors and counts.
 
 Each subscription is an ephemeral pull consumer (no acks) starting after the requested
 sequence; it fetches only when the gRPC stream has sent what it fetched before, so a slow
@@ -23,22 +24,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
-from sessionrouter.server.core.errors import (
-    FailedPrecondition,
-    OutOfRange,
-    RouterError,
-    Unavailable,
-)
+from sessionrouter.server.core.errors import OutOfRange, RouterError, Unavailable
 from sessionrouter.server.core.router import SessionRouter
 from sessionrouter.server.core.streams import Commit, no_journal
 from sessionrouter.server.servicer import (
     AFTER_CURSOR_HEADER,
     FEED_READ_BATCH,
+    MESSAGE_BYTE_BUDGET,
     SessionServicer,
     pack_feed_messages,
 )
@@ -65,6 +63,93 @@ def merged_messages(
         facts=lambda item: (item[0], item[1].min_version, item[1].degenerate),
         to_proto=lambda item: item[1],
     )
+
+
+def merged_batches(
+    batch: list[tuple[int, pb.GroupResult]], skip_degenerate: bool, min_version: int = 0
+) -> list[spb.SubscribeGroupsResponse]:
+    """``merged_messages`` in columnar form: the same filters, counts and ``last_cursor``s,
+    each message's groups in one GroupResultBatch (with the ``shards`` column). A message is
+    closed before its estimate passes the byte budget; the estimate is the group's message
+    size, an upper bound of its columns (names become indices, one estimator per batch),
+    plus a filter metric per member (NaN-filled when another group has metrics)."""
+    messages: list[spb.SubscribeGroupsResponse] = []
+    groups: list[pb.GroupResult] = []
+    stale = skipped = size = covered = 0
+
+    def close() -> None:
+        message = spb.SubscribeGroupsResponse(
+            skipped_degenerate=skipped, skipped_groups=stale, last_cursor=covered
+        )
+        if groups:
+            message.batch.CopyFrom(results_to_batch(groups))
+        messages.append(message)
+
+    for cursor, result in batch:
+        if min_version and result.min_version < min_version:
+            stale += 1
+        elif skip_degenerate and result.degenerate:
+            skipped += 1
+        else:
+            grows = result.ByteSize() + 8 * (len(result.sessions) + 1)
+            if groups and size + grows > MESSAGE_BYTE_BUDGET:
+                close()
+                groups, stale, skipped, size = [], 0, 0, 0
+            groups.append(result)
+            size += grows
+        covered = cursor
+    close()
+    return messages
+
+
+def results_to_batch(results: list[pb.GroupResult]) -> pb.GroupResultBatch:
+    """GroupResult messages (read from the stream, cursors set) as one GroupResultBatch: the
+    columns the single router builds from its own results (``convert.results_to_batch``),
+    plus each group's shard."""
+    batch = pb.GroupResultBatch()
+    estimators: dict[bytes, int] = {}
+    members = excluded = 0
+    batch.member_offsets.append(0)
+    batch.excluded_offsets.append(0)
+    with_metrics = any(r.filter_metrics for r in results)
+    for r in results:
+        batch.cursors.append(r.cursor)
+        batch.group_ids.append(r.group_id)
+        batch.task_ids.append(r.task_id)
+        batch.outcomes.append(r.outcome)
+        batch.group_sizes.append(r.group_size)
+        batch.means.append(r.mean)
+        batch.stds.append(r.std)
+        batch.degenerate.append(r.degenerate)
+        batch.finalize_unix_nanos.append(r.finalize_time.ToNanoseconds())
+        key = r.estimator.SerializeToString(deterministic=True)
+        position = estimators.get(key)
+        if position is None:
+            position = estimators[key] = len(batch.estimators)
+            batch.estimators.append(r.estimator)
+        batch.estimator_of.append(position)
+        prefix = len(r.group_id) + 17  # len("groups/" + group_id + "/sessions/")
+        n = len(r.sessions)
+        batch.member_indices.extend([int(name[prefix:]) for name in r.sessions])
+        batch.rewards.extend(r.rewards)
+        batch.advantages.extend(r.advantages if len(r.advantages) == n else [0.0] * n)
+        if with_metrics:
+            batch.filter_metrics.extend(
+                r.filter_metrics if len(r.filter_metrics) == n else [math.nan] * n
+            )
+        members += n
+        batch.member_offsets.append(members)
+        replaced = set(r.replaced_sessions)
+        batch.excluded_indices.extend([int(name[prefix:]) for name in r.excluded_sessions])
+        batch.excluded_replaced.extend([name in replaced for name in r.excluded_sessions])
+        excluded += len(r.excluded_sessions)
+        batch.excluded_offsets.append(excluded)
+        batch.min_versions.append(r.min_version)
+        batch.max_versions.append(r.max_version)
+        batch.trainer_versions.append(r.trainer_version)
+        batch.admitted_trainer_versions.append(r.admitted_trainer_version)
+        batch.shards.append(r.shard)
+    return batch
 
 
 class ShardedSessionServicer(SessionServicer):
@@ -125,19 +210,7 @@ class ShardedSessionServicer(SessionServicer):
         from nats.errors import TimeoutError as NatsTimeout
         from nats.js import api
 
-        if request.columnar:
-            # The merged feed carries each group as its message from NATS; packing those into
-            # GroupResultBatch is not built yet, and an unpacked reply would look empty to a
-            # columnar subscriber, so the request is refused instead.
-            await self._abort(
-                context,
-                FailedPrecondition(
-                    "COLUMNAR_FEED_UNAVAILABLE",
-                    "sharded routers serve the merged feed in message form only: subscribe"
-                    " without columnar",
-                    field_violations=[("columnar", "not served by sharded routers")],
-                ),
-            )
+        pack = merged_batches if request.columnar else merged_messages
         if not self._link.connected:
             await self._abort(context, self._nats_down(request.after_cursor))
         try:
@@ -185,7 +258,7 @@ class ShardedSessionServicer(SessionServicer):
                     batch.append((sequence, result))
                 if not batch:
                     continue
-                for message in merged_messages(batch, request.skip_degenerate, request.min_version):
+                for message in pack(batch, request.skip_degenerate, request.min_version):
                     yield message
                 cursor = subscription.cursor = batch[-1][0]
         finally:

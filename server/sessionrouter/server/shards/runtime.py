@@ -17,7 +17,13 @@ from sessionrouter.server.config import WorkerSpec
 from sessionrouter.server.core.router import SessionRouter
 from sessionrouter.server.core.streams import Commit
 from sessionrouter.server.shards.guard import ShardGuard
-from sessionrouter.server.shards.identity import Ownership, ShardConfig
+from sessionrouter.server.shards.identity import (
+    SEQ_SPAN,
+    Ownership,
+    ShardConfig,
+    memory_seq_offset,
+    shard_seq_floor,
+)
 from sessionrouter.server.shards.link import NatsLink, ShardStartError, retry_forever
 from sessionrouter.server.shards.merged_feed import ShardedSessionServicer
 from sessionrouter.server.shards.metrics import ShardCollector
@@ -52,6 +58,10 @@ class ShardRuntime:
         self._collector: ShardCollector | None = None
         router.new_group_id = self.ownership.mint_group_id
         router.foreign_reward = self.ownership.foreign_reward
+        router.foreign_handle = self.ownership.foreign_handle
+        # Seqs in the shard's own range, so its session handles name it.
+        offset = 0 if state_dir else memory_seq_offset()
+        router.groups.number_within(shard_seq_floor(config.shard.index), SEQ_SPAN, offset)
 
     def _address_of(self, index: int) -> str:
         return self.registry.address_of(index) if self.registry is not None else ""
