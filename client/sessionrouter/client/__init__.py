@@ -58,7 +58,7 @@ from sessionrouter.client._errors import (
     UnimplementedError,
 )
 from sessionrouter.client._retry import RetryPolicy
-from sessionrouter.client._rewards import RewardStream
+from sessionrouter.client._reward_stream import RewardStream
 from sessionrouter.client.types import (
     DeregisterWorkerResult,
     EstimatorConfig,

@@ -12,6 +12,7 @@ import itertools
 from collections.abc import (
     AsyncGenerator,
 )
+from typing import Literal, TypedDict, Unpack, overload
 
 import grpc
 
@@ -35,6 +36,18 @@ from sessionrouter.client.types import (
 from sessionrouter.v1 import session_service_pb2 as spb
 
 __all__ = ["FeedCalls"]
+
+
+class _FeedOptions(TypedDict):
+    """What a caller chooses about a feed subscription (see ``subscribe_groups``)."""
+
+    after_cursor: int
+    from_latest: bool
+    max_failed_connections: int | None
+    on_retry: FeedRetryHook | None
+    skip_degenerate: bool
+    on_skipped: FeedSkipHook | None
+    min_version: int
 
 
 class FeedCalls(SessionCalls):
@@ -70,30 +83,16 @@ class FeedCalls(SessionCalls):
         many either left out, up to which cursor; a reconnect resumes after the last cursor
         the router covered.
         """
-        retrier = self._retrier if retry_policy is None else Retrier(retry_policy)
-        # Every shard serves the one merged feed: a lost stream reconnects to the next shard,
-        # with the same cursor, so a shard that is down only costs one reconnect.
-        first = self._routing.any().shard
-        connections = itertools.count(max(first, 0))
-
-        def open_call(
-            request: spb.SubscribeGroupsRequest,
-        ) -> grpc.aio.UnaryStreamCall[spb.SubscribeGroupsRequest, spb.SubscribeGroupsResponse]:
-            route = self._routing.shard(next(connections) % self._routing.count)
-            metadata = (*self._metadata, *route.headers)
-            return route.stubs.sessions.SubscribeGroups(request, metadata=metadata)
-
-        return follow_feed(
-            open_call,
-            groups_of,
+        return self._follow_feed(
             after_cursor=after_cursor,
             from_latest=from_latest,
-            retrier=retrier,
+            retry_policy=retry_policy,
             max_failed_connections=max_failed_connections,
             on_retry=on_retry,
             skip_degenerate=skip_degenerate,
             on_skipped=on_skipped,
             min_version=min_version,
+            columnar=False,
         )
 
     def subscribe_result_batches(
@@ -111,27 +110,12 @@ class FeedCalls(SessionCalls):
         """``subscribe_groups`` in columnar form: the router sends each message's groups as
         flat arrays, and this yields them as a ``ResultBatch`` (NumPy arrays, no Python
         object per group; ``batch.groups`` builds the typed view when asked). Resume after
-        ``batch.last_cursor``. Same reconnection, cursor and skipping rules."""
-        retrier = self._retrier if retry_policy is None else Retrier(retry_policy)
-        if self._routing.sharded:
-            raise ValueError(
-                "subscribe_result_batches is not available on a sharded client (sharded"
-                " routers serve the merged feed in message form): use subscribe_groups"
-            )
-        route = self._routing.shard(0)
-
-        def open_call(
-            request: spb.SubscribeGroupsRequest,
-        ) -> grpc.aio.UnaryStreamCall[spb.SubscribeGroupsRequest, spb.SubscribeGroupsResponse]:
-            metadata = (*self._metadata, *route.headers)
-            return route.stubs.sessions.SubscribeGroups(request, metadata=metadata)
-
-        return follow_feed(
-            open_call,
-            batches_of,
+        ``batch.last_cursor``. Same reconnection, cursor, skipping and shard failover rules:
+        a sharded router's merged feed is served in this form too, with the same cursors."""
+        return self._follow_feed(
             after_cursor=after_cursor,
             from_latest=from_latest,
-            retrier=retrier,
+            retry_policy=retry_policy,
             max_failed_connections=max_failed_connections,
             on_retry=on_retry,
             skip_degenerate=skip_degenerate,
@@ -139,6 +123,48 @@ class FeedCalls(SessionCalls):
             min_version=min_version,
             columnar=True,
         )
+
+    @overload
+    def _follow_feed(
+        self,
+        *,
+        columnar: Literal[False],
+        retry_policy: RetryPolicy | None,
+        **options: Unpack[_FeedOptions],
+    ) -> AsyncGenerator[GroupResult, None]: ...
+
+    @overload
+    def _follow_feed(
+        self,
+        *,
+        columnar: Literal[True],
+        retry_policy: RetryPolicy | None,
+        **options: Unpack[_FeedOptions],
+    ) -> AsyncGenerator[ResultBatch, None]: ...
+
+    def _follow_feed(
+        self, *, columnar: bool, retry_policy: RetryPolicy | None, **options: Unpack[_FeedOptions]
+    ) -> AsyncGenerator[GroupResult, None] | AsyncGenerator[ResultBatch, None]:
+        """The feed in either form over ``follow_feed``: one reconnect loop, with failover.
+
+        Every shard serves the one merged feed (in both forms): a lost stream reconnects to
+        the next shard, with the same cursor, so a shard that is down costs one reconnect.
+        An unsharded client has one shard, so it reconnects to its router.
+        """
+        retrier = self._retrier if retry_policy is None else Retrier(retry_policy)
+        first = self._routing.any().shard
+        connections = itertools.count(max(first, 0))
+
+        def open_call(
+            request: spb.SubscribeGroupsRequest,
+        ) -> grpc.aio.UnaryStreamCall[spb.SubscribeGroupsRequest, spb.SubscribeGroupsResponse]:
+            route = self._routing.shard(next(connections) % self._routing.count)
+            metadata = (*self._metadata, *route.headers)
+            return route.stubs.sessions.SubscribeGroups(request, metadata=metadata)
+
+        if columnar:
+            return follow_feed(open_call, batches_of, retrier=retrier, columnar=True, **options)
+        return follow_feed(open_call, groups_of, retrier=retrier, **options)
 
     async def wait_group_result(
         self,

@@ -24,7 +24,8 @@ from sessionrouter.client._errors import (
     SessionRouterError,
 )
 from sessionrouter.client._feed_calls import FeedCalls
-from sessionrouter.client._rewards import ReplacementHook, RewardStream
+from sessionrouter.client._reward_stream import RewardStream
+from sessionrouter.client._rewards import ReplacementHook, RouterRewardStream
 from sessionrouter.client._shard_rewards import (
     ShardedRewardStream,
     split_by_shard,
@@ -92,7 +93,7 @@ class RewardCalls(FeedCalls):
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 return route.stubs.sessions.SubmitRewards(timeout=remaining, metadata=metadata)
 
-            return RewardStream(
+            return RouterRewardStream(
                 open_call,
                 max_batch=max_batch,
                 max_delay=max_delay,
@@ -105,11 +106,6 @@ class RewardCalls(FeedCalls):
 
         if not self._routing.sharded:
             return open_stream(self._routing.shard(0))
-        if columnar_results:
-            raise ValueError(
-                "columnar_results is not available on a sharded client: open one client per"
-                " shard for the columnar form"
-            )
 
         def open_shard(shard: int, group_id: str | None) -> RewardStream:
             route = self._routing.shard(shard)
@@ -117,7 +113,12 @@ class RewardCalls(FeedCalls):
                 route = self._routing.for_group(group_id)
             return open_stream(route)
 
-        return ShardedRewardStream(self._routing, open_shard, keep_results=keep_results)
+        return ShardedRewardStream(
+            self._routing,
+            open_shard,
+            keep_results=keep_results,
+            columnar_results=columnar_results,
+        )
 
     async def submit_rewards(
         self,
@@ -190,7 +191,7 @@ class RewardCalls(FeedCalls):
             ]:
                 return route.stubs.sessions.SubmitRewards(timeout=remaining, metadata=metadata)
 
-            stream = RewardStream(open_call, max_batch=4096, max_delay=0.0, retrier=None)
+            stream = RouterRewardStream(open_call, max_batch=4096, max_delay=0.0, retrier=None)
             async with stream:
                 results = await stream.submit_many(entries)
             return SubmitRewardsResult(

@@ -53,7 +53,7 @@ from sessionrouter.client.types import (
 from sessionrouter.v1 import resources_pb2
 from sessionrouter.v1 import session_service_pb2 as pb
 
-__all__ = ["ReplacementHook", "RewardStream"]
+__all__ = ["ReplacementHook", "RouterRewardStream"]
 
 _log = logging.getLogger("sessionrouter.client.rewards")
 
@@ -88,8 +88,9 @@ class _End:
     """Marks the end of the results queue."""
 
 
-class RewardStream:
-    """One open SubmitRewards stream shared by concurrent submitters.
+class RouterRewardStream:
+    """One open SubmitRewards stream to one router (or one shard), shared by concurrent
+    submitters; implements the ``RewardStream`` protocol (``_reward_stream``).
 
     Use it as an async context manager (``client.reward_stream()`` builds one). Leaving the
     block normally flushes every queued entry, waits for their acks and for the router to end
@@ -166,7 +167,7 @@ class RewardStream:
         """Opens the stream (what entering the ``async with`` block does); for a caller that
         opens it from synchronous code inside the event loop, such as the sharded stream."""
         if self._call is not None:
-            raise RuntimeError("this RewardStream is already open")
+            raise RuntimeError("this reward stream is already open")
         self._call = self._open_call()
         self._tasks = [asyncio.create_task(self._run(), name="sessionrouter-reward-stream")]
 
@@ -327,14 +328,14 @@ class RewardStream:
         response message, until it ends. Requires ``columnar_results=True`` and
         ``keep_results=True``; meant for one consumer, instead of ``results()``."""
         if not self._columnar_results:
-            raise RuntimeError("this RewardStream was opened without columnar_results")
+            raise RuntimeError("this reward stream was opened without columnar_results")
         async for item in self._kept():
             if isinstance(item, ResultBatch):
                 yield item
 
     async def _kept(self) -> AsyncIterator[GroupResult | ResultBatch]:
         if not self._keep_results:
-            raise RuntimeError("this RewardStream was opened with keep_results=False")
+            raise RuntimeError("this reward stream was opened with keep_results=False")
         while True:
             item = await self._results.get()
             if isinstance(item, _End):
@@ -348,7 +349,7 @@ class RewardStream:
 
     def _check_open(self) -> None:
         if self._call is None:
-            raise RuntimeError("use the RewardStream inside `async with`")
+            raise RuntimeError("use the reward stream inside `async with`")
         if self._failure is not None and not self._closed_by_us:
             raise self._failure
         if self._closing:

@@ -14,28 +14,46 @@ the group results of all shards (in arrival order, which across shards is not cu
 the feed has that). A shard's stream failing fails its own entries only: the other shards'
 entries are answered as usual, and ``results()`` raises the first failure at the end.
 
+The columnar form works the same way: ``submit_arrays`` finds each entry's shard from its
+handle (a sharded router's handles carry their shard in bits 48-62, ``shardmap``) or, for an
+entry given by name, from its group, splits the arrays with NumPy into one request per shard,
+and puts the packed statuses back in the caller's order. With ``columnar_results`` each
+shard's stream asks for its results as arrays, and ``result_batches()`` merges them (each
+``ResultBatch`` is one shard's; the router fills its ``shards`` column).
+
 An entry answered ``WRONG_SHARD`` (the client's shard list disagrees with the routers') is
-resent once to the shard the answer names; what that shard answers is the entry's result.
+resent once to the shard the answer names; what that shard answers is the entry's result. A
+handle is not resent: it names its shard itself, so a shard refusing it means the handle or
+the client's shard list is wrong, and the packed status (9, with the owner in the detail)
+is the answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, NoReturn, Self
+from typing import Self
+
+import numpy as np
+import numpy.typing as npt
 
 from sessionrouter.client._errors import SessionRouterError, StreamClosedError
-from sessionrouter.client._rewards import RewardStream
+from sessionrouter.client._reward_stream import RewardEntryTuple, RewardStream
 from sessionrouter.client._shards import ShardRouting, group_of_session
-from sessionrouter.client.types import GroupResult, RewardResult, RewardStatus
+from sessionrouter.client.shardmap import HANDLE_SHARD_MASK, HANDLE_SHARD_SHIFT
+from sessionrouter.client.types import (
+    GroupResult,
+    ResultBatch,
+    RewardAckBatch,
+    RewardResult,
+    RewardStatus,
+)
 
-__all__ = ["ShardedRewardStream", "split_by_shard", "wrong_shard_owner"]
+__all__ = ["ShardedRewardStream", "shards_of_entries", "split_by_shard", "wrong_shard_owner"]
 
 _log = logging.getLogger("sessionrouter.client.shards")
-
-RewardEntryTuple = tuple[str, float] | tuple[str, float, float | None]
 
 OpenShardStream = Callable[[int, str | None], RewardStream]
 """``open_stream(shard, group_id)`` builds (unopened) the RewardStream of one shard; the group
@@ -57,6 +75,34 @@ def split_by_shard(
             by_shard[shard] = ([], group)
         by_shard[shard][0].append(position)
     return by_shard
+
+
+def shards_of_entries(
+    routing: ShardRouting,
+    handles: npt.NDArray[np.uint64] | None,
+    sessions: Sequence[str] | None,
+    count: int,
+) -> npt.NDArray[np.int64]:
+    """int64 (count,): the shard each columnar entry goes to. By its handle when it has one
+    with bit 63 set (a sharded router's: the shard is bits 48-62, computed for every entry at
+    once), else by its name's group; shard 0 for an entry with neither, or with a handle of
+    a single router (bit 63 clear), which every shard refuses alike (UNKNOWN_SESSION). A
+    handle naming a shard beyond N goes to shard 0 too, which answers WRONG_SHARD."""
+    shards = np.zeros(count, dtype=np.int64)
+    named = np.ones(count, dtype=np.bool_)
+    if handles is not None and len(handles):
+        sharded = (handles >> np.uint64(63)).astype(np.bool_)
+        owners = ((handles >> np.uint64(HANDLE_SHARD_SHIFT)) & np.uint64(HANDLE_SHARD_MASK)).astype(
+            np.int64
+        )
+        owners[owners >= routing.count] = 0
+        shards = np.where(sharded, owners, 0)
+        named = handles == 0
+    if sessions:
+        for i in np.flatnonzero(named).tolist():
+            group = group_of_session(sessions[i])
+            shards[i] = 0 if group is None else routing.shard_of(group)
+    return shards
 
 
 def wrong_shard_owner(routing: ShardRouting, result: RewardResult, sent_to: int) -> int | None:
@@ -81,26 +127,29 @@ class _End:
     """One shard stream's results are over."""
 
 
-class ShardedRewardStream(RewardStream):
-    """The ``RewardStream`` interface over one stream per shard; see the module docstring.
+class ShardedRewardStream:
+    """The ``RewardStream`` protocol over one stream per shard; see the module docstring.
 
     Use it as an async context manager (``client.reward_stream()`` builds it for a sharded
     client). Leaving the block closes every shard's stream (each flushes, waits for its acks
     and its end, at most ``close_timeout`` seconds, concurrently).
-
-    A subclass so that code written against ``RewardStream`` takes it unchanged: it overrides
-    every public method and holds no call of its own (the base's state stays unused).
     """
 
     def __init__(
-        self, routing: ShardRouting, open_stream: OpenShardStream, *, keep_results: bool
+        self,
+        routing: ShardRouting,
+        open_stream: OpenShardStream,
+        *,
+        keep_results: bool,
+        columnar_results: bool = False,
     ) -> None:
         self._routing = routing
         self._open_stream = open_stream
         self._keep_results = keep_results
+        self._columnar_results = columnar_results
         self._streams: dict[int, RewardStream] = {}
         self._forwarders: list[asyncio.Task[None]] = []
-        self._merged: asyncio.Queue[GroupResult | _End] = asyncio.Queue()
+        self._merged: asyncio.Queue[GroupResult | ResultBatch | _End] = asyncio.Queue()
         self._shard_failures: list[SessionRouterError] = []
         self._entered = False
         self._closed = False
@@ -200,11 +249,105 @@ class ShardedRewardStream(RewardStream):
         no entry went there yet)."""
         return self._stream(self._routing.shard_of(group_id), group_id).watch_group(group_id)
 
+    async def submit_arrays(
+        self,
+        handles: npt.ArrayLike | None,
+        rewards: npt.ArrayLike,
+        *,
+        sessions: Sequence[str] | None = None,
+        filter_metrics: npt.ArrayLike | None = None,
+        min_versions: npt.ArrayLike | None = None,
+        max_versions: npt.ArrayLike | None = None,
+    ) -> RewardAckBatch:
+        """As ``RouterRewardStream.submit_arrays``: the arrays (n,) are split by shard (see
+        ``shards_of_entries``), each shard's part goes on its stream, the parts concurrently,
+        and ``statuses[i]`` answers entry i whatever its shard. Raises ValueError for arrays
+        of unequal lengths before anything is sent, and a shard stream's error if it died
+        before its part was acknowledged."""
+        values = np.asarray(rewards, dtype=np.float64)
+        n = len(values)
+        handle_array = None if handles is None else np.asarray(handles, dtype=np.uint64)
+        columns: dict[str, npt.NDArray[np.generic] | None] = {
+            "handles": handle_array,
+            "filter_metrics": None
+            if filter_metrics is None
+            else np.asarray(filter_metrics, dtype=np.float64),
+            "min_versions": None if min_versions is None else np.asarray(min_versions, np.uint64),
+            "max_versions": None if max_versions is None else np.asarray(max_versions, np.uint64),
+        }
+        lengths = {k: len(v) for k, v in columns.items() if v is not None}
+        if sessions is not None:
+            lengths["sessions"] = len(sessions)
+        wrong = {k: m for k, m in lengths.items() if m != n}
+        if wrong:
+            raise ValueError(f"every array needs one value per reward ({n}), got {wrong}")
+        if n == 0:
+            raise ValueError("submit_arrays needs at least one reward")
+        shards = shards_of_entries(self._routing, handle_array, sessions, n)
+        order = np.argsort(shards, kind="stable")
+        cuts = np.flatnonzero(np.diff(shards[order])) + 1
+        parts = np.split(order, cuts)
+        names = list(sessions) if sessions is not None else None
+
+        def part_of(key: str, positions: npt.NDArray[np.intp]) -> npt.NDArray[np.generic] | None:
+            column = columns[key]
+            return None if column is None else column[positions]
+
+        calls = []
+        for positions in parts:
+            shard = int(shards[positions[0]])
+            group = None
+            if names is not None and handle_array is None:
+                group = group_of_session(names[int(positions[0])])
+            calls.append(
+                self._stream(shard, group).submit_arrays(
+                    part_of("handles", positions),
+                    values[positions],
+                    sessions=None if names is None else [names[p] for p in positions.tolist()],
+                    filter_metrics=part_of("filter_metrics", positions),
+                    min_versions=part_of("min_versions", positions),
+                    max_versions=part_of("max_versions", positions),
+                )
+            )
+        acks = await asyncio.gather(*calls)
+        statuses = np.empty(n, dtype=np.uint8)
+        detail_entries: list[npt.NDArray[np.int64]] = []
+        details: list[str] = []
+        for positions, ack in zip(parts, acks, strict=True):
+            statuses[positions] = ack.statuses
+            detail_entries.append(positions[ack.detail_entries].astype(np.int64))
+            details.extend(ack.details)
+        entries = np.concatenate(detail_entries)
+        by_entry = np.argsort(entries, kind="stable")
+        return RewardAckBatch(
+            statuses=statuses,
+            detail_entries=entries[by_entry],
+            details=tuple(details[i] for i in by_entry.tolist()),
+        )
+
     async def results(self) -> AsyncIterator[GroupResult]:
         """The group results of every shard's stream, as they arrive, until all have ended
         (after ``close``). Raises the first shard's failure at the end, if one failed."""
+        async for item in self._kept():
+            if isinstance(item, ResultBatch):
+                for group in item.groups:
+                    yield group
+            else:
+                yield item
+
+    async def result_batches(self) -> AsyncIterator[ResultBatch]:
+        """The group results of every shard's stream as ``ResultBatch`` arrays, one per
+        response message of a shard (its ``shards`` column names it), as they arrive,
+        until all have ended. Requires ``columnar_results=True``; instead of ``results()``."""
+        if not self._columnar_results:
+            raise RuntimeError("this reward stream was opened without columnar_results")
+        async for item in self._kept():
+            if isinstance(item, ResultBatch):
+                yield item
+
+    async def _kept(self) -> AsyncIterator[GroupResult | ResultBatch]:
         if not self._keep_results:
-            raise RuntimeError("this RewardStream was opened with keep_results=False")
+            raise RuntimeError("this reward stream was opened with keep_results=False")
         ended = 0
         while True:
             if self._closed and ended >= len(self._forwarders):
@@ -217,21 +360,6 @@ class ShardedRewardStream(RewardStream):
                 continue
             yield item
 
-    async def submit_arrays(self, *args: Any, **kwargs: Any) -> NoReturn:
-        """Not over shards: a handle is its shard's own numbering, so it names no group to
-        route by. Submit by name (``submit_many``), or keep one client per shard for the
-        columnar form."""
-        raise NotImplementedError(
-            "submit_arrays is not available on a sharded client: handles do not name their"
-            " group's shard; use submit_many, or one client per shard"
-        )
-
-    async def result_batches(self) -> NoReturn:  # type: ignore[override]
-        """Not over shards (see ``submit_arrays``); ``results()`` merges every shard's."""
-        raise NotImplementedError(
-            "result_batches is not available on a sharded client; use results()"
-        )
-
     # Internals ------------------------------------------------------------------------------
 
     def _stream(self, shard: int, group: str | None) -> RewardStream:
@@ -239,7 +367,7 @@ class ShardedRewardStream(RewardStream):
         if stream is not None:
             return stream
         if not self._entered:
-            raise RuntimeError("use the RewardStream inside `async with`")
+            raise RuntimeError("use the reward stream inside `async with`")
         if self._closed:
             raise StreamClosedError("the reward stream is closed or closing")
         stream = self._streams[shard] = self._open_stream(shard, group)
@@ -252,8 +380,12 @@ class ShardedRewardStream(RewardStream):
 
     async def _forward(self, stream: RewardStream) -> None:
         try:
-            async for result in stream.results():
-                self._merged.put_nowait(result)
+            if self._columnar_results:
+                async for batch in stream.result_batches():
+                    self._merged.put_nowait(batch)
+            else:
+                async for result in stream.results():
+                    self._merged.put_nowait(result)
         except SessionRouterError as error:
             self._shard_failures.append(error)
         finally:

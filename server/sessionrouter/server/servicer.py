@@ -134,6 +134,8 @@ def _pack_stream_events(
         if pending:
             assert current is not None
             current.result_batch.CopyFrom(convert.results_to_batch(pending))
+            if shard:
+                current.result_batch.shards.extend([shard] * len(pending))  # as on the feed
             pending.clear()
 
     for event in events:

@@ -1,0 +1,92 @@
+"""What a reward stream offers, whichever router is behind it: the ``RewardStream`` protocol.
+
+``client.reward_stream()`` returns a ``RouterRewardStream`` (one SubmitRewards stream to one
+router, ``_rewards``) or, for a sharded router, a ``ShardedRewardStream`` (one such stream
+per shard, ``_shard_rewards``). Both implement this protocol and neither inherits from the
+other, so code written against ``RewardStream`` takes either, and a method added to one and
+not the other is a type error instead of a silently inherited wrong answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable, Sequence
+from types import TracebackType
+from typing import Protocol, Self, runtime_checkable
+
+import numpy.typing as npt
+
+from sessionrouter.client.types import GroupResult, ResultBatch, RewardAckBatch, RewardResult
+
+__all__ = ["RewardEntryTuple", "RewardStream"]
+
+RewardEntryTuple = tuple[str, float] | tuple[str, float, float | None]
+"""``(session, reward)`` or ``(session, reward, filter_metric)``."""
+
+
+@runtime_checkable
+class RewardStream(Protocol):
+    """A long-lived reward stream shared by concurrent submitters.
+
+    Use it as an async context manager: leaving the block normally flushes what is queued,
+    waits for the acks and for the end of the stream, so that the group results sent after
+    the last ack still arrive; leaving it with an exception cancels it.
+    """
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+    def open(self) -> None:
+        """Opens the stream (what entering the ``async with`` block does)."""
+        ...
+
+    async def close(self) -> None:
+        """Flushes queued entries, waits for their acks and the end of the stream."""
+        ...
+
+    async def submit(
+        self,
+        session: str,
+        reward: float,
+        *,
+        filter_metric: float | None = None,
+        min_version: int = 0,
+        max_version: int = 0,
+    ) -> RewardResult:
+        """Submits one reward and returns what the router did with it."""
+        ...
+
+    async def submit_many(self, rewards: Iterable[RewardEntryTuple]) -> list[RewardResult]:
+        """Submits several rewards; ``result[i]`` answers ``rewards[i]``."""
+        ...
+
+    async def submit_arrays(
+        self,
+        handles: npt.ArrayLike | None,
+        rewards: npt.ArrayLike,
+        *,
+        sessions: Sequence[str] | None = None,
+        filter_metrics: npt.ArrayLike | None = None,
+        min_versions: npt.ArrayLike | None = None,
+        max_versions: npt.ArrayLike | None = None,
+    ) -> RewardAckBatch:
+        """Submits rewards given as arrays (n,); the packed statuses answer them in order."""
+        ...
+
+    def watch_group(self, group_id: str) -> asyncio.Future[GroupResult]:
+        """A future for the result of ``group_id``, if it arrives on this stream."""
+        ...
+
+    def results(self) -> AsyncIterator[GroupResult]:
+        """The group results that arrive on this stream, until it ends."""
+        ...
+
+    def result_batches(self) -> AsyncIterator[ResultBatch]:
+        """The same as ``ResultBatch`` arrays (opened with ``columnar_results``)."""
+        ...
