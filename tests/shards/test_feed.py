@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from sessionrouter.client import SessionRouterClient
 from sessionrouter.client.shardmap import shard_of
 from sessionrouter.server.app import WorkerSpec
 from sessionrouter.server.shards.link import FEED_STREAM
@@ -159,19 +158,3 @@ async def test_policy_versions_travel_with_the_pool_and_filter_the_merged_feed(
 
 async def _published_one(h: Harness) -> bool:
     return bool(h.server.shards.publisher.backlog == 0)
-
-
-async def test_columnar_subscription_is_refused_not_served_empty(shards: list[Harness]) -> None:
-    """A columnar subscriber of the merged feed gets FAILED_PRECONDITION at once (an answer in
-    message form would look empty to it), and the sharded client says so before calling."""
-    call = shards[0].sessions.SubscribeGroups(spb.SubscribeGroupsRequest(columnar=True))
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await call.read()
-    details = details_of(caught.value)
-    assert details.code is grpc.StatusCode.FAILED_PRECONDITION
-    assert details.reason == "COLUMNAR_FEED_UNAVAILABLE"
-    async with SessionRouterClient.connect([h.address for h in shards]) as client:
-        with pytest.raises(ValueError, match="sharded client"):
-            client.subscribe_result_batches()
-        with pytest.raises(ValueError, match="sharded client"):
-            client.reward_stream(columnar_results=True)

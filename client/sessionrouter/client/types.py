@@ -528,7 +528,7 @@ class ResultBatch:
       ``admitted_trainer_versions`` (the version fields of ``GroupResult``; all zeros from
       a router without versions);
     - ``shards`` uint32 (G,): the shard that owns each group (``GroupResult.shard``); shape
-      (0,) from a single router, where every group is shard 0's.
+      (0,) when every group is shard 0's (a single router, or shard 0's reward stream).
 
     ``groups`` gives the typed per-group view (``GroupResult``), built the first time it is
     read; ``group_of_member`` maps members to groups for segmented NumPy work.

@@ -207,7 +207,6 @@ class ShardedSessionServicer(SessionServicer):
         request: spb.SubscribeGroupsRequest,
         context: grpc.aio.ServicerContext[object, object],
     ) -> AsyncIterator[spb.SubscribeGroupsResponse]:
-        from nats.errors import TimeoutError as NatsTimeout
         from nats.js import api
 
         pack = merged_batches if request.columnar else merged_messages
@@ -242,7 +241,10 @@ class ShardedSessionServicer(SessionServicer):
                     await self._abort(context, self._nats_down(cursor))
                 try:
                     msgs = await consumer.fetch(FEED_READ_BATCH, timeout=FETCH_WAIT_S)
-                except NatsTimeout:
+                except TimeoutError:
+                    # Nothing new within the wait. nats-py raises its own TimeoutError (a
+                    # subclass) or asyncio's, depending on where the wait ran out: both are
+                    # an idle feed, not a lost NATS.
                     continue
                 except (asyncio.CancelledError, GeneratorExit):
                     raise
