@@ -98,15 +98,15 @@ async def test_handles_name_their_shard_and_a_foreign_one_is_wrong_shard(
     for group in started:
         owner = shard_of(group.group_id, N)
         for session in group.sessions:
-            assert session.handle >> 63 == 1
+            assert session.handle >> 63 == 0
             assert shard_of_handle(session.handle) == owner
-    # Shard 0 is sent shard 1's handle, a handle of a single router (bit 63 clear) and its
+    # Shard 0 is sent shard 1's handle, one of its own range that names no session, and its
     # own: WRONG_SHARD naming shard 1 and its address, UNKNOWN_SESSION, ACCEPTED.
     mine = next(g for g in started if shard_of(g.group_id, N) == 0).sessions[0]
     theirs = next(g for g in started if shard_of(g.group_id, N) == 1).sessions[0]
-    unsharded = (5 << 16) | 1
+    nobody = (5 << 16) | 1  # seq 5: below where an in-memory shard starts numbering
     call = shards[0].sessions.SubmitRewards()
-    handles = [theirs.handle, unsharded, mine.handle]
+    handles = [theirs.handle, nobody, mine.handle]
     await call.write(
         spb.SubmitRewardsRequest(
             sequence=1, columns=spb.RewardColumns(handles=handles, rewards=[1.0, 1.0, 1.0])
@@ -187,7 +187,7 @@ async def test_columnar_and_message_forms_agree_over_shards(
         handles = np.array(
             [by_handle[g].sessions[m].handle for g, m, _ in entries], dtype=np.uint64
         )
-        unknown_handle = (1 << 63) | (2 << 48) | (12345 << 16)  # shard 2's range, no group
+        unknown_handle = (2 << 48) | (12345 << 16)  # shard 2's range, no group
         ack = await stream.submit_arrays(
             np.append(handles, np.uint64(unknown_handle)), np.array(rewards)
         )

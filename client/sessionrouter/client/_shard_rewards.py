@@ -84,19 +84,15 @@ def shards_of_entries(
     count: int,
 ) -> npt.NDArray[np.int64]:
     """int64 (count,): the shard each columnar entry goes to. By its handle when it has one
-    with bit 63 set (a sharded router's: the shard is bits 48-62, computed for every entry at
-    once), else by its name's group; shard 0 for an entry with neither, or with a handle of
-    a single router (bit 63 clear), which every shard refuses alike (UNKNOWN_SESSION). A
+    (bits 48-62 of a sharded router's handle, computed for every entry at once), else by its
+    name's group; shard 0 for an entry with neither, which every shard refuses alike. A
     handle naming a shard beyond N goes to shard 0 too, which answers WRONG_SHARD."""
     shards = np.zeros(count, dtype=np.int64)
     named = np.ones(count, dtype=np.bool_)
     if handles is not None and len(handles):
-        sharded = (handles >> np.uint64(63)).astype(np.bool_)
-        owners = ((handles >> np.uint64(HANDLE_SHARD_SHIFT)) & np.uint64(HANDLE_SHARD_MASK)).astype(
-            np.int64
-        )
-        owners[owners >= routing.count] = 0
-        shards = np.where(sharded, owners, 0)
+        owners = (handles >> np.uint64(HANDLE_SHARD_SHIFT)) & np.uint64(HANDLE_SHARD_MASK)
+        shards = owners.astype(np.int64)
+        shards[shards >= routing.count] = 0
         named = handles == 0
     if sessions:
         for i in np.flatnonzero(named).tolist():

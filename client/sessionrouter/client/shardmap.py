@@ -33,19 +33,13 @@ def shard_of(group_id: str, shard_count: int) -> int:
     return ((checksum >> 16) & 0x7FFF) % shard_count
 
 
-SHARDED_HANDLE_BIT = 1 << 63
-"""Set in every session handle a sharded router hands out (``Session.handle``): bits 48 to
-62 then hold the shard that owns the session's group. A single router's handles keep it
-clear."""
 HANDLE_SHARD_SHIFT = 48
-"""Position of the shard index in a sharded router's handle."""
+"""Position of the shard index in a sharded router's session handle (``Session.handle``)."""
 HANDLE_SHARD_MASK = 0x7FFF
-"""The shard index's 15 bits (``MAX_SHARDS`` shards)."""
+"""The shard index's 15 bits (``MAX_SHARDS`` shards): bits 48 to 62; bit 63 stays clear."""
 
 
-def shard_of_handle(handle: int) -> int | None:
-    """The shard a session handle names, or None for a handle of a single router (bit 63
-    clear): ``(handle >> 48) & 0x7fff`` when ``handle >> 63 == 1``, as the proto says."""
-    if not handle & SHARDED_HANDLE_BIT:
-        return None
+def shard_of_handle(handle: int) -> int:
+    """The shard a sharded router's session handle names: ``(handle >> 48) & 0x7fff``, as the
+    proto says. Meaningless for a single router's handles, which name no shard."""
     return (handle >> HANDLE_SHARD_SHIFT) & HANDLE_SHARD_MASK

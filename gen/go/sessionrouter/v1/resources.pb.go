@@ -480,15 +480,14 @@ type Session struct {
 	// never gives two sessions the same handle; a handle of a session no longer retained is
 	// unknown, as its name would be.
 	//
-	// Its bits are opaque except for one rule, so that a client can route it to its shard:
-	// when bit 63 is set (handle >= 2^63), the handle comes from a sharded router and bits 48
-	// to 62 hold the index of the shard that owns its group:
+	// On a sharded router its bits 48 to 62 hold the index of the shard that owns the
+	// session's group, so that a client can send a reward by handle to its shard:
 	//
-	//	shard = (handle >> 48) & 0x7fff    (only when handle >> 63 == 1)
+	//	shard = (handle >> 48) & 0x7fff
 	//
-	// A sharded router hands out only such handles; a single router's handles keep bit 63
-	// clear (they name no shard). A shard answers a handle naming another shard with reward
-	// status WRONG_SHARD and that owner, never with another session.
+	// (bit 63 is always clear). A single router's handles do not follow this layout: they
+	// name no shard. A shard answers a handle naming another shard with reward status
+	// WRONG_SHARD and that owner, never with another session.
 	Handle        uint64 `protobuf:"varint,70,opt,name=handle,proto3" json:"handle,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

@@ -16,13 +16,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sessionrouter.client.shardmap import (
-    HANDLE_SHARD_SHIFT,
-    MAX_SHARDS,
-    SHARDED_HANDLE_BIT,
-    shard_of,
-    shard_of_handle,
-)
+from sessionrouter.client.shardmap import HANDLE_SHARD_SHIFT, MAX_SHARDS, shard_of, shard_of_handle
 from sessionrouter.server.core.errors import FailedPrecondition, InvalidArgument
 from sessionrouter.server.core.rewards import RewardOutcome, RewardStatus
 
@@ -33,20 +27,21 @@ HANDLE_SEQ_BITS = 16
 """Low bits of a handle below its group's seq (the member index; ``core.validation``)."""
 SEQ_SPAN = 1 << 32
 """Group seqs of one shard: its handles are ``(seq << 16) | index`` with
-``seq = 2**47 | shard << 32 | n``, n below 2**32, so bit 63 is set and bits 48-62 are the
-shard (the layout the proto's ``Session.handle`` states)."""
+``seq = shard << 32 | n``, n below 2**32, so bits 48-62 of a handle are its shard (the layout
+the proto's ``Session.handle`` states) and seqs stay below 2**47 as the journal expects."""
 
 
 def shard_seq_floor(shard: int) -> int:
     """The seq below the first one shard ``shard`` hands out."""
-    return (SHARDED_HANDLE_BIT | shard << HANDLE_SHARD_SHIFT) >> HANDLE_SEQ_BITS
+    return shard << (HANDLE_SHARD_SHIFT - HANDLE_SEQ_BITS)
 
 
 def memory_seq_offset() -> int:
-    """Where an in-memory shard starts numbering in its range: a random multiple of 2**24
-    below 2**31, so a handle kept from an earlier process is unknown, not another session
-    (a journaled shard numbers on from its journal and its handles survive restarts)."""
-    return secrets.randbelow(1 << 7) << 24
+    """Where an in-memory shard starts numbering in its range: a random non-zero multiple of
+    2**24 below 2**31, so a handle kept from an earlier process is unknown, not another
+    session (a journaled shard numbers on from its journal and its handles survive
+    restarts)."""
+    return (1 + secrets.randbelow((1 << 7) - 1)) << 24
 
 
 MINT_ATTEMPTS = 100_000
@@ -168,9 +163,9 @@ class Ownership:
 
     def foreign_handle(self, handle: int) -> RewardOutcome | None:
         """The outcome of a reward entry whose handle names another shard (None: it names
-        this one, or no shard, and is then unknown here)."""
+        this one, and is then unknown here)."""
         owner = shard_of_handle(handle)
-        if owner is None or owner == self.shard.index:
+        if owner == self.shard.index:
             return None
         address = self._address_of(owner) if owner < self.shard.count else ""
         where = f" at {address}" if address else ""
