@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from sessionrouter.client import (
+    GroupResult,
     RetryPolicy,
     RewardStatus,
     SessionRouterClient,
@@ -111,7 +112,7 @@ async def test_kill9_makes_a_shards_handles_unavailable_never_served_elsewhere(
         assert again.statuses.tolist() == expected
 
         want = {g.group_id for g in groups}
-        seen = []
+        seen: list[GroupResult] = []
         feed = client.subscribe_result_batches()
         async with asyncio.timeout(60), contextlib.aclosing(feed):
             async for batch in feed:
