@@ -13,6 +13,7 @@ from sessionrouter.server.core import feed, groups, placement, rewards, router, 
 from sessionrouter.server.core.commands import NO_OPTIONS
 from sessionrouter.server.core.errors import InvalidArgument
 from sessionrouter.server.core.estimators import EstimatorParams
+from sessionrouter.server.core.results import OUTCOMES, ResultColumns, columns_of_results
 from sessionrouter.server.core.rewards import (
     BatchOutcome,
     RewardBatch,
@@ -220,89 +221,105 @@ def result_to_proto(r: feed.GroupResult) -> pb.GroupResult:
 
 
 def results_to_batch(results: Sequence[feed.GroupResult]) -> pb.GroupResultBatch:
-    """Group results as one GroupResultBatch: flat arrays with offsets (see the proto), built
-    column by column, with no message per group or per member."""
-    cursors, group_ids, task_ids, outcomes, sizes = [], [], [], [], []
-    means, stds, degenerate, finalize = [], [], [], []
-    min_versions, max_versions, trainer_versions, admitted = [], [], [], []
-    estimators: dict[EstimatorParams, int] = {}
-    estimator_of: list[int] = []
-    member_offsets, excluded_offsets = [0], [0]
-    indices: list[int] = []
-    excluded: list[int] = []
-    replaced: list[bool] = []
-    rewards: list[NDArray[np.float64]] = []
-    advantages: list[NDArray[np.float64]] = []
-    metrics: list[NDArray[np.float64]] = []
-    any_metrics = False
-    counted = 0
-    last_estimator, last_position = None, 0
-    for r in results:
-        cursors.append(r.cursor)
-        group_ids.append(r.group_id)
-        task_ids.append(r.task_id)
-        outcomes.append(_OUTCOME[r.outcome])
-        sizes.append(r.group_size)
-        means.append(r.mean)
-        stds.append(r.std)
-        degenerate.append(r.degenerate)
-        finalize.append(int(r.finalize_time * 1e9))
-        min_versions.append(r.min_version)
-        max_versions.append(r.max_version)
-        trainer_versions.append(r.trainer_version)
-        admitted.append(r.admitted_version)
-        if r.estimator is not last_estimator:  # hashing the params costs more than this test
-            last_estimator = r.estimator
-            last_position = estimators.setdefault(r.estimator, len(estimators))
-        estimator_of.append(last_position)
-        prefix = len(r.group_id) + 17  # len("groups/" + group_id + "/sessions/")
-        n = len(r.sessions)
-        if n == r.group_size and not r.excluded_sessions:
-            indices.extend(range(n))  # every member counts: the indices are 0 to n - 1
-        else:
-            indices.extend([int(name[prefix:]) for name in r.sessions])
-        counted += n
-        member_offsets.append(counted)
-        rewards.append(r.rewards)
-        advantages.append(r.advantages if len(r.advantages) == n else np.zeros(n))
-        if len(r.filter_metrics) == n and n:
-            metrics.append(r.filter_metrics)
-            any_metrics = True
-        else:
-            metrics.append(np.full(n, np.nan))
-        if r.excluded_sessions:
-            gone = set(r.replaced_sessions)
-            excluded.extend([int(name[prefix:]) for name in r.excluded_sessions])
-            replaced.extend([name in gone for name in r.excluded_sessions])
-        excluded_offsets.append(len(excluded))
-    batch = pb.GroupResultBatch(
-        cursors=cursors,
-        group_ids=group_ids,
-        task_ids=task_ids,
-        outcomes=outcomes,
-        group_sizes=sizes,
-        means=means,
-        stds=stds,
-        degenerate=degenerate,
-        finalize_unix_nanos=finalize,
-        estimators=[estimator_to_proto(p) for p in estimators],
-        estimator_of=estimator_of,
-        member_offsets=member_offsets,
-        member_indices=indices,
-        excluded_offsets=excluded_offsets,
-        excluded_indices=excluded,
-        excluded_replaced=replaced,
-        min_versions=min_versions,
-        max_versions=max_versions,
-        trainer_versions=trainer_versions,
-        admitted_trainer_versions=admitted,
-    )
-    if results:
-        batch.rewards.extend(np.concatenate(rewards).tolist())
-        batch.advantages.extend(np.concatenate(advantages).tolist())
-        if any_metrics:
-            batch.filter_metrics.extend(np.concatenate(metrics).tolist())
+    """Group results as one GroupResultBatch: flat arrays with offsets (see the proto)."""
+    batch = pb.GroupResultBatch()
+    fill_result_batch(batch, columns_of_results(results))
     return batch
+
+
+_OUTCOME_OF_CODE = np.array([_OUTCOME[outcome] for outcome in OUTCOMES], dtype=np.uint64)
+"""Proto GroupOutcome of each ``core.results.OUTCOME_CODES`` code."""
+
+
+def fill_result_batch(msg: pb.GroupResultBatch, c: ResultColumns) -> None:
+    """Writes the groups of ``c`` into an empty GroupResultBatch, in place (a response's own
+    sub-message: no copy). The numeric columns go in as packed wire bytes built from the
+    arrays and merged in one parse, not as one Python number per value; only the ids are
+    per group. ``filter_metrics`` is left empty when no group has any (see the proto)."""
+    if not len(c):
+        return
+    versions = c.versions
+    parts = [
+        _packed_varints(1, c.cursors),
+        _packed_varints(4, _OUTCOME_OF_CODE[c.outcome]),
+        _packed_varints(5, c.group_sizes),
+        _packed_doubles(6, c.mean),
+        _packed_doubles(7, c.std),
+        _packed_bools(8, c.degenerate),
+        _packed_varints(9, c.finalize_ns),
+        _packed_varints(11, c.estimator_of),
+        _packed_varints(12, c.member_offsets),
+        _packed_varints(13, c.member_indices),
+        _packed_doubles(14, c.rewards),
+        _packed_doubles(15, c.advantages),
+        _packed_doubles(16, c.filter_metrics) if c.has_filter_metrics.any() else b"",
+        _packed_varints(17, c.excluded_offsets),
+        _packed_varints(18, c.excluded_indices),
+        _packed_bools(19, c.excluded_replaced),
+        _packed_varints(20, versions[:, 0]),
+        _packed_varints(21, versions[:, 1]),
+        _packed_varints(22, versions[:, 2]),
+        _packed_varints(23, versions[:, 3]),
+    ]
+    msg.MergeFromString(b"".join(parts))
+    msg.group_ids.extend(c.group_ids)
+    msg.task_ids.extend(c.task_ids)
+    msg.estimators.extend([estimator_to_proto(p) for p in c.estimators])
+
+
+def _varint(value: int) -> bytes:
+    """One unsigned varint (a tag or a length)."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field (wire type 2): a packed repeated scalar."""
+    if not payload:
+        return b""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _packed_doubles(number: int, values: NDArray[np.float64]) -> bytes:
+    return _field(number, np.ascontiguousarray(values, dtype="<f8").tobytes())
+
+
+def _packed_bools(number: int, values: NDArray[np.bool_]) -> bytes:
+    return _field(number, np.ascontiguousarray(values, dtype=np.uint8).tobytes())
+
+
+def _packed_varints(number: int, values: NDArray[np.integer]) -> bytes:
+    """Integers as packed varints, vectorized: an int64 below 0 takes ten bytes (its two's
+    complement, as protobuf encodes negative int64), a uint64 is taken as it is."""
+    if not values.shape[0]:
+        return b""
+    if values.dtype == np.uint64:
+        rest = np.array(values, dtype=np.uint64)
+    else:
+        rest = np.array(values, dtype=np.int64).view(np.uint64)
+    if int(rest.max()) <= 0x7F:
+        return _field(number, rest.astype(np.uint8).tobytes())
+    lengths = np.ones(rest.shape[0], dtype=np.int64)
+    for k in range(1, 10):
+        longer = rest >= np.uint64(1 << (7 * k))
+        if not longer.any():
+            break
+        lengths += longer
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    out = np.empty(int(ends[-1]), dtype=np.uint8)
+    seven = np.uint64(7)
+    for k in range(int(lengths.max())):
+        alive = lengths > k
+        chunk = (rest[alive] & np.uint64(0x7F)).astype(np.uint8)
+        chunk[lengths[alive] > k + 1] |= 0x80
+        out[starts[alive] + k] = chunk
+        rest >>= seven
+    return _field(number, out.tobytes())
 
 
 def reward_batch_from_proto(request: spb.SubmitRewardsRequest) -> RewardBatch:

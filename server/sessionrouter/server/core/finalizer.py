@@ -11,8 +11,12 @@ a batch of complete groups of one size and estimator (the common case) is one ga
 rows into a (G, n) matrix and one row-path reduction, with O(1) NumPy calls and no per-group
 array. Other batches (several sizes or estimators, partial, dropped or replaced groups) take a
 general path with the same numbers. Either way the batch comes out as one ``FinalizedBatch``
-of arrays; a ``GroupResult`` per group is built only to publish to per-group consumers (the
-feed, streams, journal, listeners), and ``batch_listeners`` get the arrays themselves.
+of arrays, and is published as it is: the feed retains it whole, each reward stream gets the
+positions of the groups it is owed, the groups' cursors become visible with one write per
+batch (``CursorBook``), and ``batch_listeners`` get the arrays. Nothing is built per group on
+the way; a consumer asks the batch for columns (built once, shared) or for ``GroupResult``
+objects (built for the groups it asks for: the journal, per-group ``listeners``, the message
+form of the feed and of streams).
 
 With a journal there is one more step between the two: a result is journaled, and published
 only once the journal says it is durable. A subscriber that has seen cursor 41 must never see
@@ -29,8 +33,9 @@ import dataclasses
 import logging
 from array import array
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 from numpy.typing import NDArray
@@ -38,23 +43,43 @@ from numpy.typing import NDArray
 from sessionrouter.server.core.errors import Unavailable
 from sessionrouter.server.core.estimators import EstimatorParams
 from sessionrouter.server.core.events import GroupFinalized, JournalSink
-from sessionrouter.server.core.feed import GroupFeed, GroupOutcome, GroupResult
-from sessionrouter.server.core.groups import GroupRecord, SessionRecord
+from sessionrouter.server.core.feed import GroupFeed
+from sessionrouter.server.core.groups import NO_VERSION, CursorBook, GroupRecord, SessionRecord
 from sessionrouter.server.core.reducer import AdvantageReducer
-from sessionrouter.server.core.streams import StreamOrigin
+from sessionrouter.server.core.results import (
+    COLUMN_GROUP_BYTES,
+    COLUMN_MEMBER_BYTES,
+    DROPPED_CODE,
+    OUTCOME_CODES,
+    GroupOutcome,
+    GroupResult,
+    ResultColumns,
+    ResultRows,
+)
+from sessionrouter.server.core.sizes import result_bytes
+from sessionrouter.server.core.streams import RewardFlow, StreamOrigin
+
+__all__ = [
+    "OUTCOME_CODES",
+    "FinalizedBatch",
+    "FinishedGroup",
+    "GroupFinalizer",
+]
 
 log = logging.getLogger("sessionrouter.finalizer")
 
 _EMPTY = np.zeros(0, dtype=np.float64)
 _EMPTY.flags.writeable = False
+_DROPPED = DROPPED_CODE
+_GROUP = attrgetter("group")
+_GROUP_ID = attrgetter("group_id")
+_TASK_ID = attrgetter("task_id")
 
-OUTCOME_CODES: dict[GroupOutcome, int] = {
-    GroupOutcome.COMPLETE: 0,
-    GroupOutcome.PARTIAL: 1,
-    GroupOutcome.DROPPED: 2,
-}
-"""``FinalizedBatch.outcome`` codes."""
-_DROPPED = OUTCOME_CODES[GroupOutcome.DROPPED]
+FINISHED_GROUP_BYTES = 256
+"""Memory of one ``FinishedGroup`` (the object, its member tuples, its place in the batch)
+apart from its members, at most."""
+FINISHED_MEMBER_BYTES = 16
+"""Memory per member in a ``FinishedGroup``'s tuples, at most."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +101,25 @@ class FinishedGroup:
     def versions(self) -> tuple[int, int]:
         """(min, max) policy version of the members that count, or of all members when
         none counts; (0, 0) for a group without members."""
+        group = self.group
+        if (
+            self.counted
+            and len(self.counted) == group.rewarded
+            and group.counted_min_version != NO_VERSION
+        ):
+            # Kept by the ledger as the rewards were recorded: no pass over the members.
+            return group.counted_min_version, group.counted_max_version
         members = self.counted or self.excluded
         if not members:
             return 0, 0
         return min(s.min_version for s in members), max(s.max_version for s in members)
+
+
+@dataclass(slots=True, eq=False)
+class _Memo:
+    """What a batch computes on first use and keeps (its columns)."""
+
+    columns: ResultColumns | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -103,6 +143,11 @@ class FinalizedBatch:
     - ``filter_metrics``: float64 (N,), aligned with ``values``, NaN where none was given.
     - ``has_filter_metrics``: bool (G,), every counted member of the group gave one.
     - ``width``: n when every group has n counted members and the row path was taken, else 0.
+    - ``record_bytes``: the groups' own ``retained_bytes`` (their records, which the batch
+      keeps alive), added up as they were queued; ``members``: their members, counted or not.
+
+    A batch is a ``core.results.ResultSource``: the feed retains it as it is, and it gives
+    its groups as columns (``columns``, built once) or as ``GroupResult`` objects.
     """
 
     finished: tuple[FinishedGroup, ...]
@@ -117,12 +162,17 @@ class FinalizedBatch:
     filter_metrics: NDArray[np.float64]
     has_filter_metrics: NDArray[np.bool_]
     width: int
+    record_bytes: int = 0
+    members: int = 0
+    _memo: _Memo = field(default_factory=_Memo, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.finished)
 
     def member_indices(self) -> NDArray[np.int32]:
         """int32 (N,): the member index (``groups/{id}/sessions/{index}``) of each value."""
+        if self.width:  # complete groups without replacements: 0..n-1 each
+            return np.tile(np.arange(self.width, dtype=np.int32), len(self.finished))
         lengths = np.diff(self.offsets)
         indices = np.arange(self.values.shape[0], dtype=np.int64) - np.repeat(
             self.offsets[:-1], lengths
@@ -136,28 +186,31 @@ class FinalizedBatch:
 
     def result(self, g: int) -> GroupResult:
         """Group g as the feed's ``GroupResult`` (its arrays are views into the batch's)."""
-        return self.results(g, g + 1)[0]
+        return self.results_at((g,))[0]
 
     def results(self, start: int = 0, stop: int | None = None) -> list[GroupResult]:
         """One ``GroupResult`` per group of ``start:stop``, in cursor order: O(members)
         Python (names of sessions), which is why it is only built for per-group consumers."""
         stop = len(self) if stop is None else stop
-        bounds = self.offsets[start : stop + 1].tolist()
-        cursors = self.cursors[start:stop].tolist()
-        means = self.mean[start:stop].tolist()
-        stds = self.std[start:stop].tolist()
-        degenerate = self.degenerate[start:stop].tolist()
-        has_metrics = self.has_filter_metrics[start:stop].tolist()
+        return self.results_at(range(start, stop))
+
+    def results_at(self, positions: Sequence[int]) -> list[GroupResult]:
+        """One ``GroupResult`` per group at ``positions``, in that order."""
+        bounds = self.offsets.tolist()
+        cursors, means, stds = self.cursors.tolist(), self.mean.tolist(), self.std.tolist()
+        degenerate, has_metrics = self.degenerate.tolist(), self.has_filter_metrics.tolist()
         values, advantages, metrics = self.values, self.advantages, self.filter_metrics
+        finished = self.finished
         out = []
-        for k, f in enumerate(self.finished[start:stop]):
-            begin, end = bounds[k], bounds[k + 1]
+        for g in positions:
+            f = finished[g]
+            begin, end = bounds[g], bounds[g + 1]
             group = f.group
             dropped = f.outcome is GroupOutcome.DROPPED
             min_version, max_version = f.versions()
             out.append(
                 GroupResult(
-                    cursor=cursors[k],
+                    cursor=cursors[g],
                     group_id=group.group_id,
                     task_id=group.task_id,
                     outcome=f.outcome,
@@ -165,13 +218,13 @@ class FinalizedBatch:
                     sessions=tuple(s.name for s in f.counted),
                     rewards=values[begin:end],
                     advantages=_EMPTY if dropped else advantages[begin:end],
-                    mean=means[k],
-                    std=stds[k],
+                    mean=means[g],
+                    std=stds[g],
                     estimator=group.settings.estimator,
-                    degenerate=degenerate[k],
+                    degenerate=degenerate[g],
                     excluded_sessions=tuple(s.name for s in f.excluded),
                     finalize_time=f.finalize_time,
-                    filter_metrics=metrics[begin:end] if has_metrics[k] else _EMPTY,
+                    filter_metrics=metrics[begin:end] if has_metrics[g] else _EMPTY,
                     replaced_sessions=tuple(s.name for s in f.excluded if s.replaced_by >= 0),
                     min_version=min_version,
                     max_version=max_version,
@@ -180,6 +233,183 @@ class FinalizedBatch:
                 )
             )
         return out
+
+    def columns(self) -> ResultColumns:
+        """Every group as columns (``core.results.ResultColumns``), built on the first call
+        and kept: what the columnar feed and streams pack from, shared by all of them. Views
+        into the batch's arrays where they can be; O(G) Python for the ids and per-group
+        scalars (O(members) in a batch of the general path)."""
+        columns = self._memo.columns
+        if columns is None:
+            columns = self._memo.columns = self._columns()
+        return columns
+
+    def _columns(self) -> ResultColumns:
+        finished = self.finished
+        n_groups = len(finished)
+        groups = list(map(_GROUP, finished))
+        group_ids = list(map(_GROUP_ID, groups))
+        task_ids = list(map(_TASK_ID, groups))
+        lengths = np.diff(self.offsets)
+        trainer = np.fromiter(
+            map(attrgetter("trainer_version"), finished), dtype=np.uint64, count=n_groups
+        )
+        admitted = np.fromiter(
+            map(attrgetter("admitted_version"), groups), dtype=np.uint64, count=n_groups
+        )
+        if self.width:  # complete, without replacements: each group has its running versions
+            sizes = np.full(n_groups, self.width, dtype=np.int64)
+            estimators: tuple[EstimatorParams, ...] = (groups[0].settings.estimator,)
+            estimator_of = np.zeros(n_groups, dtype=np.int64)
+            excluded_offsets = np.zeros(n_groups + 1, dtype=np.int64)
+            excluded_indices = np.zeros(0, dtype=np.int64)
+            excluded_replaced = np.zeros(0, dtype=np.bool_)
+            replaced = np.zeros(n_groups, dtype=np.int64)
+            low = np.fromiter(
+                map(attrgetter("counted_min_version"), groups), dtype=np.uint64, count=n_groups
+            )
+            high = np.fromiter(
+                map(attrgetter("counted_max_version"), groups), dtype=np.uint64, count=n_groups
+            )
+        else:
+            sizes = np.fromiter(map(attrgetter("size"), groups), dtype=np.int64, count=n_groups)
+            known: dict[EstimatorParams, int] = {}
+            of: list[int] = []
+            last, position = None, 0
+            ends = [0]
+            indices: list[int] = []
+            flags: list[bool] = []
+            replaced_count: list[int] = []
+            for g in groups:
+                params = g.settings.estimator
+                if params is not last:
+                    last, position = params, known.setdefault(params, len(known))
+                of.append(position)
+            for f in finished:
+                gone = 0
+                for s in f.excluded:
+                    indices.append(s.index)
+                    flags.append(s.replaced_by >= 0)
+                    gone += s.replaced_by >= 0
+                ends.append(len(indices))
+                replaced_count.append(gone)
+            estimators = tuple(known)
+            estimator_of = np.array(of, dtype=np.int64)
+            excluded_offsets = np.array(ends, dtype=np.int64)
+            excluded_indices = np.array(indices, dtype=np.int64)
+            excluded_replaced = np.array(flags, dtype=np.bool_)
+            replaced = np.array(replaced_count, dtype=np.int64)
+            pairs = np.array([f.versions() for f in finished], dtype=np.uint64)
+            low, high = pairs.reshape(n_groups, 2).T
+        finalize = np.fromiter(
+            map(attrgetter("finalize_time"), finished), dtype=np.float64, count=n_groups
+        )
+        has = self.has_filter_metrics
+        if has.any():
+            metrics = np.where(np.repeat(has, lengths), self.filter_metrics, np.nan)
+        else:
+            metrics = np.broadcast_to(np.float64(np.nan), self.values.shape)
+        names = lengths + np.diff(excluded_offsets) + replaced
+        id_lengths = np.fromiter(map(len, group_ids), dtype=np.int64, count=n_groups)
+        task_lengths = np.fromiter(map(len, task_ids), dtype=np.int64, count=n_groups)
+        return ResultColumns(
+            cursors=self.cursors,
+            group_ids=group_ids,
+            task_ids=task_ids,
+            outcome=self.outcome,
+            group_sizes=sizes,
+            mean=self.mean,
+            std=self.std,
+            degenerate=self.degenerate,
+            finalize_ns=(finalize * 1e9).astype(np.int64),
+            estimators=estimators,
+            estimator_of=estimator_of,
+            has_filter_metrics=has,
+            versions=np.stack([low, high, trainer, admitted], axis=1),
+            group_bytes=result_bytes(names, id_lengths, task_lengths),
+            member_offsets=self.offsets,
+            member_indices=self.member_indices().astype(np.int64),
+            rewards=self.values,
+            advantages=self.advantages,
+            filter_metrics=metrics,
+            excluded_offsets=excluded_offsets,
+            excluded_indices=excluded_indices,
+            excluded_replaced=excluded_replaced,
+        )
+
+    def retained_bytes(self) -> int:
+        """Bytes the batch keeps alive while the feed retains it, from above: its arrays,
+        its ``FinishedGroup`` records, the group records they refer to (``record_bytes``),
+        and its columns (counted whether built yet or not)."""
+        arrays = sum(
+            column.nbytes if column.strides and column.strides[0] else column.itemsize
+            for column in (
+                self.cursors,
+                self.outcome,
+                self.offsets,
+                self.values,
+                self.advantages,
+                self.mean,
+                self.std,
+                self.degenerate,
+                self.filter_metrics,
+                self.has_filter_metrics,
+            )
+        )
+        n_groups = len(self.finished)
+        members = max(self.members, int(self.values.shape[0]))
+        return (
+            arrays
+            + n_groups * (FINISHED_GROUP_BYTES + COLUMN_GROUP_BYTES)
+            + members * (FINISHED_MEMBER_BYTES + COLUMN_MEMBER_BYTES)
+            + self.record_bytes
+        )
+
+    def tail(self, start: int) -> FinalizedBatch:
+        """A copy of the groups from position ``start`` on, holding nothing of this batch
+        alive (the feed keeps it instead of a batch it retains a small part of)."""
+        begin = int(self.offsets[start])
+        metrics = self.filter_metrics
+        if metrics.strides and metrics.strides[0] == 0:
+            tail_metrics = np.broadcast_to(np.float64(np.nan), (self.values.shape[0] - begin,))
+        else:
+            tail_metrics = metrics[begin:].copy()
+        finished = self.finished[start:]
+        copy = FinalizedBatch(
+            finished=finished,
+            cursors=self.cursors[start:].copy(),
+            outcome=self.outcome[start:].copy(),
+            offsets=self.offsets[start:] - begin,
+            values=self.values[begin:].copy(),
+            advantages=self.advantages[begin:].copy(),
+            mean=self.mean[start:].copy(),
+            std=self.std[start:].copy(),
+            degenerate=self.degenerate[start:].copy(),
+            filter_metrics=tail_metrics,
+            has_filter_metrics=self.has_filter_metrics[start:].copy(),
+            width=self.width,
+            record_bytes=sum(f.group.retained_bytes for f in finished),
+            members=sum(len(f.group.members) for f in finished),
+        )
+        copy.freeze()
+        return copy
+
+    def freeze(self) -> None:
+        """Makes every array read-only (consumers share them)."""
+        for column in (
+            self.cursors,
+            self.outcome,
+            self.offsets,
+            self.values,
+            self.advantages,
+            self.mean,
+            self.std,
+            self.degenerate,
+            self.filter_metrics,
+            self.has_filter_metrics,
+        ):
+            if column.flags.writeable:
+                column.flags.writeable = False
 
     def versions(self) -> NDArray[np.uint64]:
         """uint64 (G, 4), per group: min and max policy version of the members that count
@@ -221,6 +451,20 @@ def _metric_flags(
     return has, equal
 
 
+@dataclass(slots=True, eq=False)
+class _Publication:
+    """A reduced batch on its way out: the streams its groups are owed to, and the finish
+    number after its last group (``CursorBook.published`` once it is out)."""
+
+    batch: FinalizedBatch
+    flows: list[RewardFlow]
+    flow_of: array[int]
+    """Per group: its position in ``flows``, or -1 when no stream is owed its result."""
+    requests: array[int]
+    """Per group: the number of the request (in its flow) whose reward finished it."""
+    end_number: int
+
+
 class GroupFinalizer:
     """Micro-batching reducer stage between the router and the feed."""
 
@@ -238,27 +482,43 @@ class GroupFinalizer:
         """Where results are made durable before publication; None publishes at once."""
         self.reducer = AdvantageReducer()
         self.listeners: list[Listener] = []
+        """Called per group with its ``GroupResult`` (built for them only when there are
+        any) once published; ``batch_listeners`` take whole batches without that cost."""
         self.batch_listeners: list[BatchListener] = []
         """Called with each batch once all its results are published (durable)."""
         self.batches = 0
         """How many micro-batches were reduced (for metrics and tests)."""
         self.degenerate = 0
         """How many finalized (not dropped) groups were degenerate (for metrics)."""
+        self.book = CursorBook()
+        """Where the groups' cursors are read from (``GroupRecord.cursor``)."""
+        self._submitted = 0
+        """Finish numbers given so far (``GroupRecord.finish_number``)."""
+        self._reduced = 0
+        """Finish numbers reduced so far: the next batch starts at this one."""
         self._pending: list[FinishedGroup] = []
         self._keys = array("q")
         """Per queued group: its ``reduce_key`` when complete without replacements, else -1."""
         self._rows = array("q")
         """Per queued group: its arena row (-1 without one); an array, so that the batch
         reads it as an index array without converting an int per group."""
+        self._flow_of = array("q")
+        self._requests = array("q")
+        self._flow_numbers: dict[RewardFlow, int] = {}
+        """The streams owed results of the queued groups, numbered in ``_flow_of``."""
+        self._record_bytes = 0
+        self._members = 0
         self._metric_groups = 0
         """Queued groups with at least one filter metric."""
         self._wake = asyncio.Event()
-        self._unpublished: deque[tuple[GroupResult, FinishedGroup]] = deque()
-        """Journaled results waiting for durability, in cursor order."""
-        self._unpublished_batches: deque[tuple[int, FinalizedBatch]] = deque()
-        """Journaled batches and the journaled count at their end."""
+        self._taken: _Publication | None = None
+        """The batch ``reduce_queued`` returned, until ``publish`` takes it."""
+        self._unpublished: deque[_Publication] = deque()
+        """Journaled batches waiting for durability, in cursor order."""
         self._journaled = 0
+        """Groups handed to the journal so far."""
         self._published = 0
+        """Groups published after the journal made them durable."""
 
     @property
     def pending(self) -> int:
@@ -268,19 +528,34 @@ class GroupFinalizer:
     @property
     def unpublished(self) -> int:
         """Results reduced and journaled but not yet durable, hence not yet published."""
-        return len(self._unpublished)
+        return self._journaled - self._published
 
     def submit(self, finished: FinishedGroup) -> None:
-        """Queues a finished group; the run loop reduces it within ``window_s``."""
-        if finished.origin is not None:
-            finished.origin.flow.expect_group()
+        """Queues a finished group; the run loop reduces it within ``window_s``. O(1): the
+        group's place in the batch, the stream owed its result and its bytes go into arrays
+        here, so that the batch needs no pass over its groups."""
         group = finished.group
+        origin = finished.origin
+        if origin is not None:
+            flow = origin.flow
+            flow.expect_group()
+            number = self._flow_numbers.setdefault(flow, len(self._flow_numbers))
+            self._flow_of.append(number)
+            self._requests.append(origin.request)
+        else:
+            self._flow_of.append(-1)
+            self._requests.append(-1)
         self._pending.append(finished)
         regular = finished.outcome is GroupOutcome.COMPLETE and not group.replaced
         self._keys.append(group.reduce_key if regular else -1)
         self._rows.append(group.arena_row if group.arena is not None else -1)
         if group.with_metrics:
             self._metric_groups += 1
+        group.finish_number = self._submitted
+        group.cursor_book = self.book
+        self._submitted += 1
+        self._record_bytes += group.retained_bytes
+        self._members += len(group.members)
         self._wake.set()
 
     def reduce_queued(self) -> FinalizedBatch | None:
@@ -292,33 +567,35 @@ class GroupFinalizer:
         finished, self._pending = self._pending, []
         keys, self._keys = self._keys, array("q")
         rows, self._rows = self._rows, array("q")
+        flow_of, self._flow_of = self._flow_of, array("q")
+        requests, self._requests = self._requests, array("q")
+        flows, self._flow_numbers = list(self._flow_numbers), {}
         with_metrics, self._metric_groups = self._metric_groups, 0
+        record_bytes, self._record_bytes = self._record_bytes, 0
+        members, self._members = self._members, 0
         if not finished:
             return None
         self.batches += 1
-        first = self.feed.next_cursor() + len(self._unpublished)
+        first = self.feed.next_cursor() + self.unpublished
+        number = self._reduced
+        if number == 0:
+            self.book.base = first
+        elif self.book.base + number != first:
+            raise RuntimeError(
+                f"the feed's next cursor {first} is not the cursor of finish number {number}"
+            )
+        self._reduced += len(finished)
         cursors = np.arange(first, first + len(finished), dtype=np.int64)
         head = keys[0]
-        if head >= 0 and keys.count(head) == len(keys):
+        key_array = np.frombuffer(keys, dtype=np.int64)
+        if head >= 0 and bool((key_array == head).all()):
             batch = self._reduce_uniform(tuple(finished), rows, cursors, with_metrics > 0)
         else:
             batch = self._reduce_general(tuple(finished), keys, rows, cursors)
-        arrays: tuple[NDArray[np.generic], ...] = (
-            batch.cursors,
-            batch.outcome,
-            batch.offsets,
-            batch.values,
-            batch.advantages,
-            batch.mean,
-            batch.std,
-            batch.degenerate,
-            batch.filter_metrics,
-            batch.has_filter_metrics,
-        )
-        for column in arrays:
-            if column.flags.writeable:
-                column.flags.writeable = False
+        batch = dataclasses.replace(batch, record_bytes=record_bytes, members=members)
+        batch.freeze()
         self.degenerate += int(np.count_nonzero(batch.degenerate & (batch.outcome != _DROPPED)))
+        self._taken = _Publication(batch, flows, flow_of, requests, self._reduced)
         return batch
 
     def _reduce_uniform(
@@ -333,12 +610,12 @@ class GroupFinalizer:
         arena = group.arena
         assert arena is not None  # a reduce_key is only given with an arena row
         at = np.frombuffer(rows, dtype=np.int64).astype(np.intp, copy=False)
-        matrix = arena.values[at]
+        matrix = np.take(arena.values, at, axis=0)  # faster than arena.values[at]
         reduced = self.reducer.reduce_matrix(matrix, group.settings.estimator)
         n_groups, n = matrix.shape
         degenerate = reduced.degenerate
         if with_metrics:
-            metrics = arena.metrics[at]
+            metrics = np.take(arena.metrics, at, axis=0)
             has = np.asarray(np.isfinite(metrics).all(axis=1))
             equal = (metrics == metrics[:, :1]).all(axis=1)
             degenerate = np.where(has, equal, degenerate)
@@ -446,20 +723,20 @@ class GroupFinalizer:
             width=0,
         )
 
-    def publish(self, batch: FinalizedBatch | None) -> list[GroupResult]:
-        """Hands a reduced batch on: without a journal, to the feed, streams and listeners at
-        once; with one, to the journal first (``flush`` publishes once durable). Returns the
-        batch's results."""
+    def publish_batch(self, batch: FinalizedBatch | None) -> None:
+        """Hands the batch ``reduce_queued`` returned on: without a journal, to the feed,
+        streams and listeners at once; with one, to the journal first (``flush`` publishes
+        once durable). Builds nothing per group unless the journal or per-group listeners
+        need it."""
         if batch is None:
-            return []
-        results = batch.results()
+            return
+        taken, self._taken = self._taken, None
+        if taken is None or taken.batch is not batch:
+            raise ValueError("publish takes the batch reduce_queued returned last")
         if self.journal is None:
-            for result, finished in zip(results, batch.finished, strict=True):
-                self._publish(result, finished)
-            for listener in self.batch_listeners:
-                listener(batch)
-            return results
-        for result, finished in zip(results, batch.finished, strict=True):
+            self._publish(taken)
+            return
+        for result, finished in zip(batch.results(), batch.finished, strict=True):
             self.journal.append(
                 GroupFinalized(
                     finished.group.seq,
@@ -469,47 +746,55 @@ class GroupFinalizer:
                     tuple(s.index for s in finished.excluded if s.replaced_by >= 0),
                 )
             )
-            self._unpublished.append((result, finished))
-        self._journaled += len(results)
-        self._unpublished_batches.append((self._journaled, batch))
+        self._journaled += len(batch)
+        self._unpublished.append(taken)
         self._wake.set()  # the run loop waits for durability and publishes them
-        return results
+
+    def publish(self, batch: FinalizedBatch | None) -> list[GroupResult]:
+        """``publish_batch``, returning the batch's results as objects (built for the
+        caller: tests and tools that want them)."""
+        self.publish_batch(batch)
+        return [] if batch is None else batch.results()
+
+    def drain_batch(self) -> FinalizedBatch | None:
+        """Reduces everything queued now, in one vectorized call, gives each group its
+        cursor and publishes the batch (once durable, with a journal: ``flush``)."""
+        batch = self.reduce_queued()
+        self.publish_batch(batch)
+        return batch
 
     def drain(self) -> list[GroupResult]:
-        """Reduces everything queued now, in one vectorized call, and gives each result its
-        cursor. Without a journal the results are published at once; with one they are
-        journaled and wait for ``flush()``."""
+        """``drain_batch``, returning the results as objects (for tests and tools)."""
         return self.publish(self.reduce_queued())
 
-    async def flush(self) -> list[GroupResult]:
+    async def flush(self) -> FinalizedBatch | None:
         """Reduces everything queued, waits until every result journaled so far is durable,
-        and publishes them in cursor order; returns the results this call reduced.
+        and publishes them in cursor order; returns the batch this call reduced.
 
         Safe to run concurrently (the run loop and a shutdown, say): each caller publishes
         what its own wait covered, and a result is published once."""
-        results = self.drain()
+        batch = self.drain_batch()
         if self.journal is not None and self._published < self._journaled:
             target = self._journaled
             await self.journal.commit()
             while self._published < target:
-                result, finished = self._unpublished.popleft()
-                self._published += 1
-                self._publish(result, finished)
-                while self._unpublished_batches and (
-                    self._unpublished_batches[0][0] <= self._published
-                ):
-                    _, batch = self._unpublished_batches.popleft()
-                    for listener in self.batch_listeners:
-                        listener(batch)
-        return results
+                publication = self._unpublished.popleft()
+                self._published += len(publication.batch)
+                self._publish(publication)
+        return batch
 
-    def _publish(self, result: GroupResult, finished: FinishedGroup) -> None:
-        finished.group.cursor = result.cursor
-        self.feed.publish(result)
-        if finished.origin is not None:
-            finished.origin.flow.deliver(finished.origin.request, result)
-        for listener in self.listeners:
-            listener(result, finished.group)
+    def _publish(self, publication: _Publication) -> None:
+        batch = publication.batch
+        self.book.published = publication.end_number
+        self.feed.publish_source(batch)
+        if publication.flows:
+            _deliver(publication)
+        if self.listeners:
+            for result, finished in zip(batch.results(), batch.finished, strict=True):
+                for listener in self.listeners:
+                    listener(result, finished.group)
+        for batch_listener in self.batch_listeners:
+            batch_listener(batch)
 
     async def run(self) -> None:
         """Reduces queued groups every ``window_s`` until cancelled, or until the journal
@@ -527,3 +812,21 @@ class GroupFinalizer:
                     extra={"event": "finalizer_stopped", "error": error.message},
                 )
                 return
+
+
+def _deliver(publication: _Publication) -> None:
+    """Hands each stream the positions of the groups it is owed (with the request that
+    finished each), in cursor order: one call per stream, not per group."""
+    batch, flows = publication.batch, publication.flows
+    flow_of = np.frombuffer(publication.flow_of, dtype=np.int64)
+    requests = np.frombuffer(publication.requests, dtype=np.int64)
+    if len(flows) == 1 and bool((flow_of == 0).all()):
+        flows[0].deliver_rows(
+            ResultRows(batch, np.arange(len(batch), dtype=np.intp)), requests.copy()
+        )
+        return
+    order = np.argsort(flow_of, kind="stable")
+    bounds = np.searchsorted(flow_of[order], np.arange(len(flows) + 1)).tolist()
+    for number, flow in enumerate(flows):
+        positions = order[bounds[number] : bounds[number + 1]].astype(np.intp, copy=False)
+        flow.deliver_rows(ResultRows(batch, positions), requests[positions])

@@ -169,6 +169,27 @@ def member_slots(group: GroupRecord) -> list[int]:
     return slots
 
 
+class CursorBook:
+    """The cursors of finished groups, written once per published batch, not once per group.
+
+    Groups are given cursors in the order they are handed to the finalizer: the group handed
+    on ``n``-th (``GroupRecord.finish_number``, from 0 in this process) gets cursor
+    ``base + n``. A group's cursor is visible (``GroupRecord.cursor``) once ``n`` is below
+    ``published``, which the finalizer raises after publishing each batch."""
+
+    __slots__ = ("base", "published")
+
+    def __init__(self) -> None:
+        self.base = 0
+        """Cursor of finish number 0."""
+        self.published = 0
+        """Finish numbers below this are published."""
+
+
+NO_VERSION = 1 << 64
+"""``GroupRecord.counted_min_version`` before any reward: above every policy version."""
+
+
 @dataclass(slots=True, eq=False)
 class GroupRecord:
     """A group and its members. Mutated only by the router."""
@@ -190,8 +211,8 @@ class GroupRecord:
     state: GroupState = GroupState.OPEN
     rewarded: int = 0
     aborted: int = 0
-    cursor: int = 0
-    """Position of the group's result on the feed; 0 until published."""
+    restored_cursor: int = 0
+    """The cursor a journal gave back for a group finalized before a restart (``cursor``)."""
     request_ids: list[str] = field(default_factory=list)
     replaced: int = 0
     """Members replaced (each is aborted and has one more member after it)."""
@@ -208,6 +229,25 @@ class GroupRecord:
     the finalizer see in O(1) per group that a batch is uniform, without comparing params."""
     with_metrics: int = 0
     """Rewarded members that gave a filter metric."""
+    retained_bytes: int = 0
+    """Wire-size estimate of the group with its members (``core.sizes``), kept up to date by
+    the ledger as members join, so that finishing a group does not add it up per member."""
+    counted_min_version: int = NO_VERSION
+    """Oldest policy version of the rewarded members (``NO_VERSION`` before any reward),
+    kept by the ledger as rewards are recorded."""
+    counted_max_version: int = 0
+    """Newest policy version of the rewarded members (0 before any reward)."""
+    finish_number: int = -1
+    """Order in which the group was handed to the finalizer (``CursorBook``); -1 before."""
+    cursor_book: CursorBook | None = None
+
+    @property
+    def cursor(self) -> int:
+        """Position of the group's result on the feed; 0 until published."""
+        book = self.cursor_book
+        if book is not None and 0 <= self.finish_number < book.published:
+            return book.base + self.finish_number
+        return self.restored_cursor
 
     @property
     def name(self) -> str:
@@ -265,8 +305,11 @@ def member_cost(group: GroupRecord, metadata: Mapping[str, str]) -> int:
 
 
 def retained_bytes(group: GroupRecord) -> int:
-    """Wire-size estimate of a group with its members (``core.sizes``)."""
-    return GROUP_BYTES + sum(member_cost(group, s.metadata) for s in group.members)
+    """Wire-size estimate of a group with its members (``core.sizes``): one estimate per
+    group for the members without metadata, the metadata added for those that have some."""
+    plain = member_bytes(len(group.group_id), len(group.task_id), 0)
+    extra = sum(map_bytes(s.metadata) for s in group.members if s.metadata)
+    return GROUP_BYTES + plain * len(group.members) + extra
 
 
 class GroupLedger:
@@ -381,7 +424,8 @@ class GroupLedger:
         self._order_ids.append(group.group_id)
         self.open_groups += 1
         self.open_sessions += group.size
-        self.open_bytes += retained_bytes(group)
+        group.retained_bytes = retained_bytes(group)
+        self.open_bytes += group.retained_bytes
 
     def _place_rewards(self, group: GroupRecord) -> None:
         arena = self.arenas.get(group.size)
@@ -409,10 +453,16 @@ class GroupLedger:
         if session.filter_metric is not None:
             arena.metrics[group.arena_row, slot] = session.filter_metric
             group.with_metrics += 1
+        if session.min_version < group.counted_min_version:
+            group.counted_min_version = session.min_version
+        if session.max_version > group.counted_max_version:
+            group.counted_max_version = session.max_version
 
     def member_joined(self, group: GroupRecord, metadata: Mapping[str, str]) -> None:
         """A member was placed in ``group``, already added: counts its bytes."""
-        self.open_bytes += member_cost(group, metadata)
+        cost = member_cost(group, metadata)
+        group.retained_bytes += cost
+        self.open_bytes += cost
 
     def find_request(self, request_id: str) -> RequestRecord | None:
         return self._requests.get(request_id)
@@ -426,7 +476,7 @@ class GroupLedger:
         retention window so that memory stays bounded on a long run."""
         self.open_groups -= 1
         self.open_sessions -= group.size
-        size = retained_bytes(group)
+        size = group.retained_bytes
         self.open_bytes -= size
         self._finished.append((group.group_id, size))
         self.finished_bytes += size

@@ -145,7 +145,7 @@ def _restored_group(row: GroupRow, workers: WorkerRegistry, now: float, wall: fl
         deadline_wall=c.deadline_wall,
         seq=c.seq,
         state=GroupState(row.state),
-        cursor=row.result.cursor if row.result is not None else 0,
+        restored_cursor=row.result.cursor if row.result is not None else 0,
         admitted_version=c.admitted_version,
         admission_epoch=c.admission_epoch,
     )

@@ -11,6 +11,10 @@ plus their tag and length), so a check that passes here cannot fail on the wire.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, overload
+
+import numpy as np
+from numpy.typing import NDArray
 
 from sessionrouter.server.core.errors import ResourceExhausted
 from sessionrouter.server.core.validation import ADDRESS_MAX_LEN, ID_MAX_LEN
@@ -86,8 +90,15 @@ def check_reply_fits(
     return estimate
 
 
-def result_bytes(size: int, group_id_len: int, task_id_len: int) -> int:
+@overload
+def result_bytes(size: int, group_id_len: int, task_id_len: int) -> int: ...
+@overload
+def result_bytes(
+    size: NDArray[np.int64], group_id_len: NDArray[np.int64], task_id_len: NDArray[np.int64]
+) -> NDArray[np.int64]: ...
+def result_bytes(size: Any, group_id_len: Any, task_id_len: Any) -> Any:
     """A GroupResult of ``size`` member names (counted, excluded and replaced ones) with
-    their rewards, advantages and filter metrics, upper estimate."""
+    their rewards, advantages and filter metrics, upper estimate; also element-wise over
+    int64 arrays (one estimate per group)."""
     per_member = session_name_bytes(group_id_len) + _FIELD + 24
     return _GROUP_FIXED + group_id_len + task_id_len + size * per_member

@@ -33,9 +33,13 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, G
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
+from numpy.typing import NDArray
+
 from sessionrouter.server.core.errors import InvalidArgument
 from sessionrouter.server.core.feed import GroupResult
 from sessionrouter.server.core.groups import GroupRecord, SessionRecord
+from sessionrouter.server.core.results import ResultRows
 from sessionrouter.server.core.rewards import BatchOutcome, RewardBatch, RewardOutcome
 from sessionrouter.server.core.sizes import map_bytes, member_bytes, result_bytes
 
@@ -64,6 +68,8 @@ def event_bytes(event: StreamEvent) -> int:
                 + sum(8 + len(d) for d in results.details)
             )
         return 16 + sum(8 + len(r.detail) for r in results)
+    if isinstance(event, ResultRows):
+        return event.wire_bytes()
     if isinstance(event, MemberReplaced):
         new = event.replacement
         return (
@@ -101,7 +107,8 @@ class MemberReplaced:
     """``worker_lost`` or ``aborted``."""
 
 
-StreamEvent = RewardAck | GroupResult | MemberReplaced
+StreamEvent = RewardAck | GroupResult | ResultRows | MemberReplaced
+"""``ResultRows``: results of one finalizer batch owed to the stream, as one event."""
 
 Entry = (
     tuple[str, float] | tuple[str, float, float | None] | tuple[str, float, float | None, int, int]
@@ -177,6 +184,8 @@ class RewardFlow:
         self._next_request = 0
         self._acked = -1
         self._held: list[tuple[int, GroupResult]] = []
+        self._held_rows: list[tuple[NDArray[np.int64], ResultRows]] = []
+        """Rows whose requests are not acked yet, with the request of each."""
         self._pending_groups = 0
         self._input_done = False
         self._intake: asyncio.Task[None] | None = None
@@ -243,7 +252,32 @@ class RewardFlow:
             else:
                 still_held.append((number, result))
         self._held = still_held
+        if self._held_rows:
+            held_rows, self._held_rows = self._held_rows, []
+            for requests, rows in held_rows:
+                self._queue_rows(rows, requests)
         self._ready.set()
+
+    def deliver_rows(self, rows: ResultRows, requests: NDArray[np.int64]) -> None:
+        """Queues the results of ``rows`` (groups of one batch), group i completed by
+        request ``requests[i]``: one event for those whose request was acked, the others
+        held until it is."""
+        self._pending_groups -= len(rows)
+        self._queue_rows(rows, requests)
+        self._ready.set()
+
+    def _queue_rows(self, rows: ResultRows, requests: NDArray[np.int64]) -> None:
+        ready = requests <= self._acked
+        if not ready.all():
+            waiting = ~ready
+            self._held_rows.append(
+                (requests[waiting], ResultRows(rows.source, rows.positions[waiting]))
+            )
+            if not ready.any():
+                return
+            rows = ResultRows(rows.source, rows.positions[ready])
+        self._events.append(rows)
+        self._backlog_bytes += event_bytes(rows)
 
     def deliver(self, request_number: int, result: GroupResult) -> None:
         """Queues a group result completed by request ``request_number``."""
@@ -270,7 +304,7 @@ class RewardFlow:
     @property
     def backlog(self) -> int:
         """Events queued but not yet written: the reader waits while this is large."""
-        return len(self._events) + len(self._held)
+        return len(self._events) + len(self._held) + len(self._held_rows)
 
     @property
     def backlog_bytes(self) -> int:
@@ -299,7 +333,12 @@ class RewardFlow:
                 self._room.set()
                 yield batch
                 continue
-            if self._input_done and self._pending_groups <= 0 and not self._held:
+            if (
+                self._input_done
+                and self._pending_groups <= 0
+                and not self._held
+                and not self._held_rows
+            ):
                 return
             self._ready.clear()
             await self._ready.wait()

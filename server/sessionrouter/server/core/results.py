@@ -1,0 +1,517 @@
+"""Group results as their consumers take them: one object per group, or columns for many.
+
+- ``GroupResult``: one finished group, for per-group consumers (the message form of the feed
+  and of reward streams, the journal, listeners).
+- ``ResultColumns``: G groups as flat arrays with offsets, the content of one
+  ``GroupResultBatch`` message, cut (``take``) and joined (``concat_columns``) with a fixed
+  number of NumPy calls whatever G.
+- ``ResultSource``: what the feed retains and reward streams deliver from: the finalizer's
+  ``FinalizedBatch``, or ``RestoredResults`` (results read back from a journal, or published
+  one by one). A source gives its groups as columns (built once, on first use, and kept:
+  every subscriber of the batch shares them) or as ``GroupResult`` objects (built per call,
+  only for the groups asked for).
+- ``ResultRows``: some groups of one source, by position (a feed read, or the groups a
+  reward stream is owed).
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+from numpy.typing import NDArray
+
+from sessionrouter.server.core.estimators import EstimatorParams
+from sessionrouter.server.core.sizes import result_bytes
+
+_NO_METRICS = np.zeros(0, dtype=np.float64)
+_NO_METRICS.flags.writeable = False
+
+
+class GroupOutcome(enum.Enum):
+    COMPLETE = "complete"
+    """Every member has a reward."""
+    PARTIAL = "partial"
+    """Finalized without some members, with at least min_members rewarded."""
+    DROPPED = "dropped"
+    """Too few rewarded members: no advantages."""
+
+
+OUTCOME_CODES: dict[GroupOutcome, int] = {
+    GroupOutcome.COMPLETE: 0,
+    GroupOutcome.PARTIAL: 1,
+    GroupOutcome.DROPPED: 2,
+}
+"""``outcome`` codes of ``FinalizedBatch`` and ``ResultColumns``."""
+OUTCOMES: tuple[GroupOutcome, ...] = tuple(OUTCOME_CODES)
+"""``OUTCOMES[code]`` is the outcome of a code."""
+DROPPED_CODE = OUTCOME_CODES[GroupOutcome.DROPPED]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GroupResult:
+    """A finalized group as trainers consume it.
+
+    ``sessions``, ``rewards`` and ``advantages`` are aligned, shape (n,) for the n members
+    that count; ``advantages`` is empty for a dropped group.
+    """
+
+    cursor: int
+    group_id: str
+    task_id: str
+    outcome: GroupOutcome
+    group_size: int
+    sessions: tuple[str, ...]
+    rewards: NDArray[np.float64]
+    advantages: NDArray[np.float64]
+    mean: float
+    std: float
+    estimator: EstimatorParams
+    degenerate: bool
+    excluded_sessions: tuple[str, ...]
+    finalize_time: float
+    """Unix seconds."""
+    filter_metrics: NDArray[np.float64] = field(default_factory=lambda: _NO_METRICS)
+    """(n,) aligned with ``sessions`` when every counted member gave one; else (0,)."""
+    replaced_sessions: tuple[str, ...] = ()
+    """Members replaced by another (``replace_lost``); also in ``excluded_sessions``."""
+    min_version: int = 0
+    """Oldest and newest policy versions of the members that count (of all members when
+    none counts); 0 when unknown."""
+    max_version: int = 0
+    trainer_version: int = 0
+    """The trainer's version at finalization."""
+    admitted_version: int = 0
+    """The trainer's version when the group was admitted."""
+
+
+def group_result_bytes(result: GroupResult) -> int:
+    """Wire-size estimate of one result (``core.sizes.result_bytes``)."""
+    members = len(result.sessions) + len(result.excluded_sessions) + len(result.replaced_sessions)
+    return result_bytes(members, len(result.group_id), len(result.task_id))
+
+
+COLUMN_GROUP_BYTES = 192
+"""Bytes the columns of a source hold per group, at most (``ResultColumns``: a dozen
+per-group arrays and two lists of references), counted by the feed before they are built."""
+COLUMN_MEMBER_BYTES = 24
+"""Bytes the columns hold per counted member (indices, filter metrics) or excluded one."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ResultColumns:
+    """G groups with N counted and E excluded members in all, as arrays: what one
+    ``GroupResultBatch`` message carries (see the proto). Arrays may be read-only views into
+    their source's; do not write to them.
+
+    - per group (G,): ``cursors`` int64, ``group_ids`` and ``task_ids`` str, ``outcome``
+      int8 (``OUTCOME_CODES``), ``group_sizes`` int64, ``mean`` and ``std`` float64 (reward
+      units), ``degenerate`` bool, ``finalize_ns`` int64 (Unix nanoseconds),
+      ``estimator_of`` int64 (a position in ``estimators``), ``has_filter_metrics`` bool,
+      ``versions`` uint64 (G, 4) (min and max policy version of the counted members, the
+      trainer's version at finalization and at admission), ``group_bytes`` int64 (the
+      wire-size estimate of the group's ``GroupResult``, ``core.sizes``).
+    - ``member_offsets`` int64 (G + 1,), 0 to N; per counted member (N,), group-major,
+      members in index order: ``member_indices`` int64, ``rewards`` and ``advantages``
+      float64 (advantages 0.0 in a dropped group), ``filter_metrics`` float64 (NaN in a
+      group without them).
+    - ``excluded_offsets`` int64 (G + 1,), 0 to E; per excluded member (E,):
+      ``excluded_indices`` int64, ``excluded_replaced`` bool.
+    """
+
+    cursors: NDArray[np.int64]
+    group_ids: Sequence[str]
+    task_ids: Sequence[str]
+    outcome: NDArray[np.int8]
+    group_sizes: NDArray[np.int64]
+    mean: NDArray[np.float64]
+    std: NDArray[np.float64]
+    degenerate: NDArray[np.bool_]
+    finalize_ns: NDArray[np.int64]
+    estimators: tuple[EstimatorParams, ...]
+    estimator_of: NDArray[np.int64]
+    has_filter_metrics: NDArray[np.bool_]
+    versions: NDArray[np.uint64]
+    group_bytes: NDArray[np.int64]
+    member_offsets: NDArray[np.int64]
+    member_indices: NDArray[np.int64]
+    rewards: NDArray[np.float64]
+    advantages: NDArray[np.float64]
+    filter_metrics: NDArray[np.float64]
+    excluded_offsets: NDArray[np.int64]
+    excluded_indices: NDArray[np.int64]
+    excluded_replaced: NDArray[np.bool_]
+
+    def __len__(self) -> int:
+        return int(self.cursors.shape[0])
+
+    def take(self, positions: NDArray[np.intp]) -> ResultColumns:
+        """The groups at ``positions`` (increasing), as columns: slices when the positions
+        are one run (no copy), else gathers; O(1) NumPy calls, plus one list item per group
+        for the ids when the positions are not a run."""
+        count = int(positions.shape[0])
+        if count == len(self):
+            return self
+        if count == 0:
+            return _EMPTY_COLUMNS
+        first, last = int(positions[0]), int(positions[-1])
+        if last - first + 1 == count:
+            return self._run(first, last + 1)
+        members, member_offsets = _rows_of(self.member_offsets, positions)
+        excluded, excluded_offsets = _rows_of(self.excluded_offsets, positions)
+        pick = operator.itemgetter(*positions.tolist())
+        group_ids = [pick(self.group_ids)] if count == 1 else list(pick(self.group_ids))
+        task_ids = [pick(self.task_ids)] if count == 1 else list(pick(self.task_ids))
+        return ResultColumns(
+            cursors=self.cursors[positions],
+            group_ids=group_ids,
+            task_ids=task_ids,
+            outcome=self.outcome[positions],
+            group_sizes=self.group_sizes[positions],
+            mean=self.mean[positions],
+            std=self.std[positions],
+            degenerate=self.degenerate[positions],
+            finalize_ns=self.finalize_ns[positions],
+            estimators=self.estimators,
+            estimator_of=self.estimator_of[positions],
+            has_filter_metrics=self.has_filter_metrics[positions],
+            versions=self.versions[positions],
+            group_bytes=self.group_bytes[positions],
+            member_offsets=member_offsets,
+            member_indices=self.member_indices[members],
+            rewards=self.rewards[members],
+            advantages=self.advantages[members],
+            filter_metrics=self.filter_metrics[members],
+            excluded_offsets=excluded_offsets,
+            excluded_indices=self.excluded_indices[excluded],
+            excluded_replaced=self.excluded_replaced[excluded],
+        )
+
+    def _run(self, start: int, stop: int) -> ResultColumns:
+        m0, m1 = int(self.member_offsets[start]), int(self.member_offsets[stop])
+        e0, e1 = int(self.excluded_offsets[start]), int(self.excluded_offsets[stop])
+        return ResultColumns(
+            cursors=self.cursors[start:stop],
+            group_ids=self.group_ids[start:stop],
+            task_ids=self.task_ids[start:stop],
+            outcome=self.outcome[start:stop],
+            group_sizes=self.group_sizes[start:stop],
+            mean=self.mean[start:stop],
+            std=self.std[start:stop],
+            degenerate=self.degenerate[start:stop],
+            finalize_ns=self.finalize_ns[start:stop],
+            estimators=self.estimators,
+            estimator_of=self.estimator_of[start:stop],
+            has_filter_metrics=self.has_filter_metrics[start:stop],
+            versions=self.versions[start:stop],
+            group_bytes=self.group_bytes[start:stop],
+            member_offsets=self.member_offsets[start : stop + 1] - m0,
+            member_indices=self.member_indices[m0:m1],
+            rewards=self.rewards[m0:m1],
+            advantages=self.advantages[m0:m1],
+            filter_metrics=self.filter_metrics[m0:m1],
+            excluded_offsets=self.excluded_offsets[start : stop + 1] - e0,
+            excluded_indices=self.excluded_indices[e0:e1],
+            excluded_replaced=self.excluded_replaced[e0:e1],
+        )
+
+
+def _rows_of(
+    offsets: NDArray[np.int64], positions: NDArray[np.intp]
+) -> tuple[NDArray[np.intp], NDArray[np.int64]]:
+    """For the groups at ``positions``: the positions of their members in the per-member
+    arrays (offsets ``offsets``), and the offsets of those members once gathered."""
+    lengths = (offsets[1:] - offsets[:-1])[positions]
+    new = np.zeros(positions.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lengths, out=new[1:])
+    rows = np.repeat(offsets[:-1][positions] - new[:-1], lengths) + np.arange(
+        int(new[-1]), dtype=np.int64
+    )
+    return rows.astype(np.intp, copy=False), new
+
+
+def _empty_columns() -> ResultColumns:
+    none_i = np.zeros(0, dtype=np.int64)
+    none_f = np.zeros(0, dtype=np.float64)
+    none_b = np.zeros(0, dtype=np.bool_)
+    return ResultColumns(
+        cursors=none_i,
+        group_ids=[],
+        task_ids=[],
+        outcome=np.zeros(0, dtype=np.int8),
+        group_sizes=none_i,
+        mean=none_f,
+        std=none_f,
+        degenerate=none_b,
+        finalize_ns=none_i,
+        estimators=(),
+        estimator_of=none_i,
+        has_filter_metrics=none_b,
+        versions=np.zeros((0, 4), dtype=np.uint64),
+        group_bytes=none_i,
+        member_offsets=np.zeros(1, dtype=np.int64),
+        member_indices=none_i,
+        rewards=none_f,
+        advantages=none_f,
+        filter_metrics=none_f,
+        excluded_offsets=np.zeros(1, dtype=np.int64),
+        excluded_indices=none_i,
+        excluded_replaced=none_b,
+    )
+
+
+_EMPTY_COLUMNS = _empty_columns()
+
+
+def _joined_offsets(parts: Sequence[NDArray[np.int64]]) -> NDArray[np.int64]:
+    """Offsets (G + 1,) of parts laid one after the other, each given as its own offsets."""
+    shifted = [parts[0]]
+    end = int(parts[0][-1])
+    for offsets in parts[1:]:
+        shifted.append(offsets[1:] + end)
+        end += int(offsets[-1])
+    return np.concatenate(shifted)
+
+
+def concat_columns(parts: Sequence[ResultColumns]) -> ResultColumns:
+    """The groups of ``parts``, one part after the other, as one set of columns (the
+    estimators of the parts merged, each once)."""
+    parts = [p for p in parts if len(p)]
+    if not parts:
+        return _EMPTY_COLUMNS
+    if len(parts) == 1:
+        return parts[0]
+    estimators: dict[EstimatorParams, int] = {}
+    estimator_of = []
+    for part in parts:
+        remap = np.array(
+            [estimators.setdefault(p, len(estimators)) for p in part.estimators], dtype=np.int64
+        )
+        estimator_of.append(remap[part.estimator_of] if remap.size else part.estimator_of)
+    group_ids: list[str] = []
+    task_ids: list[str] = []
+    for part in parts:
+        group_ids += part.group_ids
+        task_ids += part.task_ids
+
+    return ResultColumns(
+        cursors=np.concatenate([p.cursors for p in parts]),
+        group_ids=group_ids,
+        task_ids=task_ids,
+        outcome=np.concatenate([p.outcome for p in parts]),
+        group_sizes=np.concatenate([p.group_sizes for p in parts]),
+        mean=np.concatenate([p.mean for p in parts]),
+        std=np.concatenate([p.std for p in parts]),
+        degenerate=np.concatenate([p.degenerate for p in parts]),
+        finalize_ns=np.concatenate([p.finalize_ns for p in parts]),
+        estimators=tuple(estimators),
+        estimator_of=np.concatenate(estimator_of),
+        has_filter_metrics=np.concatenate([p.has_filter_metrics for p in parts]),
+        versions=np.concatenate([p.versions for p in parts]),
+        group_bytes=np.concatenate([p.group_bytes for p in parts]),
+        member_offsets=_joined_offsets([p.member_offsets for p in parts]),
+        member_indices=np.concatenate([p.member_indices for p in parts]),
+        rewards=np.concatenate([p.rewards for p in parts]),
+        advantages=np.concatenate([p.advantages for p in parts]),
+        filter_metrics=np.concatenate([p.filter_metrics for p in parts]),
+        excluded_offsets=_joined_offsets([p.excluded_offsets for p in parts]),
+        excluded_indices=np.concatenate([p.excluded_indices for p in parts]),
+        excluded_replaced=np.concatenate([p.excluded_replaced for p in parts]),
+    )
+
+
+def _member_index(name: str, prefix: int) -> int:
+    """The index in ``groups/{group_id}/sessions/{index}``, ``prefix`` being the length of
+    everything before it."""
+    return int(name[prefix:])
+
+
+def columns_of_results(results: Sequence[GroupResult]) -> ResultColumns:
+    """Per-group results as columns: O(members) Python, for results that exist as objects
+    (read back from a journal, or published one by one)."""
+    if not results:
+        return _EMPTY_COLUMNS
+    estimators: dict[EstimatorParams, int] = {}
+    estimator_of: list[int] = []
+    member_offsets, excluded_offsets = [0], [0]
+    indices: list[int] = []
+    excluded: list[int] = []
+    replaced: list[bool] = []
+    rewards: list[NDArray[np.float64]] = []
+    advantages: list[NDArray[np.float64]] = []
+    metrics: list[NDArray[np.float64]] = []
+    has_metrics: list[bool] = []
+    counted = 0
+    last_estimator, last_position = None, 0
+    for r in results:
+        if r.estimator is not last_estimator:  # hashing the params costs more than this test
+            last_estimator = r.estimator
+            last_position = estimators.setdefault(r.estimator, len(estimators))
+        estimator_of.append(last_position)
+        prefix = len(r.group_id) + 17  # len("groups/" + group_id + "/sessions/")
+        n = len(r.sessions)
+        if n == r.group_size and not r.excluded_sessions:
+            indices.extend(range(n))  # every member counts: the indices are 0 to n - 1
+        else:
+            indices.extend([_member_index(name, prefix) for name in r.sessions])
+        counted += n
+        member_offsets.append(counted)
+        rewards.append(r.rewards)
+        advantages.append(r.advantages if len(r.advantages) == n else np.zeros(n))
+        has = len(r.filter_metrics) == n and n > 0
+        has_metrics.append(has)
+        metrics.append(r.filter_metrics if has else np.full(n, np.nan))
+        if r.excluded_sessions:
+            gone = set(r.replaced_sessions)
+            excluded.extend([_member_index(name, prefix) for name in r.excluded_sessions])
+            replaced.extend([name in gone for name in r.excluded_sessions])
+        excluded_offsets.append(len(excluded))
+    group_ids = [r.group_id for r in results]
+    task_ids = [r.task_id for r in results]
+    return ResultColumns(
+        cursors=np.array([r.cursor for r in results], dtype=np.int64),
+        group_ids=group_ids,
+        task_ids=task_ids,
+        outcome=np.array([OUTCOME_CODES[r.outcome] for r in results], dtype=np.int8),
+        group_sizes=np.array([r.group_size for r in results], dtype=np.int64),
+        mean=np.array([r.mean for r in results], dtype=np.float64),
+        std=np.array([r.std for r in results], dtype=np.float64),
+        degenerate=np.array([r.degenerate for r in results], dtype=np.bool_),
+        finalize_ns=np.array([int(r.finalize_time * 1e9) for r in results], dtype=np.int64),
+        estimators=tuple(estimators),
+        estimator_of=np.array(estimator_of, dtype=np.int64),
+        has_filter_metrics=np.array(has_metrics, dtype=np.bool_),
+        versions=np.array(
+            [
+                (r.min_version, r.max_version, r.trainer_version, r.admitted_version)
+                for r in results
+            ],
+            dtype=np.uint64,
+        ).reshape(len(results), 4),
+        group_bytes=np.array([group_result_bytes(r) for r in results], dtype=np.int64),
+        member_offsets=np.array(member_offsets, dtype=np.int64),
+        member_indices=np.array(indices, dtype=np.int64),
+        rewards=np.concatenate(rewards).astype(np.float64, copy=False),
+        advantages=np.concatenate(advantages).astype(np.float64, copy=False),
+        filter_metrics=np.concatenate(metrics).astype(np.float64, copy=False),
+        excluded_offsets=np.array(excluded_offsets, dtype=np.int64),
+        excluded_indices=np.array(excluded, dtype=np.int64),
+        excluded_replaced=np.array(replaced, dtype=np.bool_),
+    )
+
+
+class ResultSource(Protocol):
+    """Consecutive group results (consecutive cursors) the feed can retain and streams
+    deliver from: ``FinalizedBatch`` or ``RestoredResults``."""
+
+    @property
+    def cursors(self) -> NDArray[np.int64]:
+        """int64 (G,): consecutive cursors."""
+        ...
+
+    @property
+    def degenerate(self) -> NDArray[np.bool_]:
+        """bool (G,)."""
+        ...
+
+    def __len__(self) -> int: ...
+
+    def columns(self) -> ResultColumns:
+        """Every group as columns, built on the first call and kept."""
+        ...
+
+    def results_at(self, positions: Sequence[int]) -> list[GroupResult]:
+        """The groups at ``positions`` as objects, built per call."""
+        ...
+
+    def retained_bytes(self) -> int:
+        """Bytes the source keeps alive while retained, estimated from above: its arrays,
+        the records it refers to, its columns (counted before they are built)."""
+        ...
+
+    def tail(self, start: int) -> ResultSource:
+        """A copy of the groups from position ``start`` on that holds nothing else alive."""
+        ...
+
+
+class RestoredResults:
+    """Results that exist as objects (read back from a journal at a restart, or published
+    one by one) as a ``ResultSource``."""
+
+    __slots__ = ("_bytes", "_columns", "cursors", "degenerate", "results")
+
+    RESULT_BYTES = 2048
+    """Memory of one ``GroupResult`` beyond its wire-size estimate, at most: the object,
+    its three arrays with their buffers, its tuples of names."""
+    MEMBER_BYTES = 160
+    """Memory per member name beyond its wire-size estimate, at most."""
+
+    def __init__(self, results: Sequence[GroupResult]) -> None:
+        self.results = tuple(results)
+        self.cursors: NDArray[np.int64] = np.array([r.cursor for r in self.results], np.int64)
+        self.degenerate: NDArray[np.bool_] = np.array(
+            [r.degenerate for r in self.results], dtype=np.bool_
+        )
+        names = sum(
+            len(r.sessions) + len(r.excluded_sessions) + len(r.replaced_sessions)
+            for r in self.results
+        )
+        self._bytes = (
+            sum(group_result_bytes(r) for r in self.results)
+            + len(self.results) * (self.RESULT_BYTES + COLUMN_GROUP_BYTES)
+            + names * (self.MEMBER_BYTES + COLUMN_MEMBER_BYTES)
+        )
+        self._columns: ResultColumns | None = None
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    def columns(self) -> ResultColumns:
+        if self._columns is None:
+            self._columns = columns_of_results(self.results)
+        return self._columns
+
+    def results_at(self, positions: Sequence[int]) -> list[GroupResult]:
+        results = self.results
+        return [results[int(p)] for p in positions]
+
+    def retained_bytes(self) -> int:
+        return self._bytes
+
+    def tail(self, start: int) -> RestoredResults:
+        return RestoredResults(self.results[start:])
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ResultRows:
+    """The groups at ``positions`` (intp, increasing) of one source: a slice of the feed,
+    or the results of one batch owed to one reward stream."""
+
+    source: ResultSource
+    positions: NDArray[np.intp]
+
+    def __len__(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def cursors(self) -> NDArray[np.int64]:
+        return self.source.cursors[self.positions]
+
+    def columns(self) -> ResultColumns:
+        return self.source.columns().take(self.positions)
+
+    def results(self) -> list[GroupResult]:
+        return self.source.results_at(self.positions.tolist())
+
+    def wire_bytes(self) -> int:
+        """Wire-size estimate of these results (``core.sizes``)."""
+        return int(self.source.columns().group_bytes[self.positions].sum())
+
+
+def rows_between(source: ResultSource, start: int, stop: int) -> ResultRows:
+    """The groups ``start:stop`` of ``source``."""
+    return ResultRows(source, np.arange(start, stop, dtype=np.intp))
