@@ -458,10 +458,12 @@ class _Publication:
 
     batch: FinalizedBatch
     flows: list[RewardFlow]
+    owed: array[int]
+    """Positions in the batch of the groups a stream is owed, increasing."""
     flow_of: array[int]
-    """Per group: its position in ``flows``, or -1 when no stream is owed its result."""
+    """Per owed group: its stream's position in ``flows``."""
     requests: array[int]
-    """Per group: the number of the request (in its flow) whose reward finished it."""
+    """Per owed group: the number of the request (in its flow) whose reward finished it."""
     end_number: int
 
 
@@ -474,6 +476,7 @@ class GroupFinalizer:
         window_s: float,
         max_batch: int,
         journal: JournalSink | None = None,
+        book: CursorBook | None = None,
     ) -> None:
         self.feed = feed
         self.window_s = window_s
@@ -490,8 +493,8 @@ class GroupFinalizer:
         """How many micro-batches were reduced (for metrics and tests)."""
         self.degenerate = 0
         """How many finalized (not dropped) groups were degenerate (for metrics)."""
-        self.book = CursorBook()
-        """Where the groups' cursors are read from (``GroupRecord.cursor``)."""
+        self.book = book or CursorBook()
+        """Where the groups' cursors are read from: the ledger's (``GroupRecord.cursor``)."""
         self._submitted = 0
         """Finish numbers given so far (``GroupRecord.finish_number``)."""
         self._reduced = 0
@@ -502,6 +505,7 @@ class GroupFinalizer:
         self._rows = array("q")
         """Per queued group: its arena row (-1 without one); an array, so that the batch
         reads it as an index array without converting an int per group."""
+        self._owed = array("q")
         self._flow_of = array("q")
         self._requests = array("q")
         self._flow_numbers: dict[RewardFlow, int] = {}
@@ -539,12 +543,9 @@ class GroupFinalizer:
         if origin is not None:
             flow = origin.flow
             flow.expect_group()
-            number = self._flow_numbers.setdefault(flow, len(self._flow_numbers))
-            self._flow_of.append(number)
+            self._owed.append(len(self._pending))
+            self._flow_of.append(self._flow_numbers.setdefault(flow, len(self._flow_numbers)))
             self._requests.append(origin.request)
-        else:
-            self._flow_of.append(-1)
-            self._requests.append(-1)
         self._pending.append(finished)
         regular = finished.outcome is GroupOutcome.COMPLETE and not group.replaced
         self._keys.append(group.reduce_key if regular else -1)
@@ -552,10 +553,9 @@ class GroupFinalizer:
         if group.with_metrics:
             self._metric_groups += 1
         group.finish_number = self._submitted
-        group.cursor_book = self.book
         self._submitted += 1
         self._record_bytes += group.retained_bytes
-        self._members += len(group.members)
+        self._members += group.size + group.replaced  # at most: some may never have joined
         self._wake.set()
 
     def reduce_queued(self) -> FinalizedBatch | None:
@@ -567,6 +567,7 @@ class GroupFinalizer:
         finished, self._pending = self._pending, []
         keys, self._keys = self._keys, array("q")
         rows, self._rows = self._rows, array("q")
+        owed, self._owed = self._owed, array("q")
         flow_of, self._flow_of = self._flow_of, array("q")
         requests, self._requests = self._requests, array("q")
         flows, self._flow_numbers = list(self._flow_numbers), {}
@@ -595,7 +596,7 @@ class GroupFinalizer:
         batch = dataclasses.replace(batch, record_bytes=record_bytes, members=members)
         batch.freeze()
         self.degenerate += int(np.count_nonzero(batch.degenerate & (batch.outcome != _DROPPED)))
-        self._taken = _Publication(batch, flows, flow_of, requests, self._reduced)
+        self._taken = _Publication(batch, flows, owed, flow_of, requests, self._reduced)
         return batch
 
     def _reduce_uniform(
@@ -818,15 +819,14 @@ def _deliver(publication: _Publication) -> None:
     """Hands each stream the positions of the groups it is owed (with the request that
     finished each), in cursor order: one call per stream, not per group."""
     batch, flows = publication.batch, publication.flows
-    flow_of = np.frombuffer(publication.flow_of, dtype=np.int64)
-    requests = np.frombuffer(publication.requests, dtype=np.int64)
-    if len(flows) == 1 and bool((flow_of == 0).all()):
-        flows[0].deliver_rows(
-            ResultRows(batch, np.arange(len(batch), dtype=np.intp)), requests.copy()
-        )
+    owed = np.frombuffer(publication.owed, dtype=np.int64).astype(np.intp)
+    requests = np.frombuffer(publication.requests, dtype=np.int64).copy()
+    if len(flows) == 1:
+        flows[0].deliver_rows(ResultRows(batch, owed), requests)
         return
+    flow_of = np.frombuffer(publication.flow_of, dtype=np.int64)
     order = np.argsort(flow_of, kind="stable")
     bounds = np.searchsorted(flow_of[order], np.arange(len(flows) + 1)).tolist()
     for number, flow in enumerate(flows):
-        positions = order[bounds[number] : bounds[number + 1]].astype(np.intp, copy=False)
-        flow.deliver_rows(ResultRows(batch, positions), requests[positions])
+        mine = order[bounds[number] : bounds[number + 1]]
+        flow.deliver_rows(ResultRows(batch, owed[mine]), requests[mine])

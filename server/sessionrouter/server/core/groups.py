@@ -335,6 +335,8 @@ class GroupLedger:
         self.open_groups = 0
         self.arenas: dict[int, RewardArena] = {}
         """Reward slots of the open groups, by group size."""
+        self.cursor_book = CursorBook()
+        """Where its groups' cursors are read from (the finalizer writes it)."""
         self._reduce_keys: dict[tuple[int, EstimatorParams], int] = {}
 
     def __len__(self) -> int:
@@ -419,6 +421,7 @@ class GroupLedger:
         already hold (a group restored from a journal), so recovery rebuilds the same arrays."""
         if group.state is GroupState.OPEN:
             self._place_rewards(group)
+        group.cursor_book = self.cursor_book
         self._groups[group.group_id] = group
         self._order_seq.append(group.seq)
         self._order_ids.append(group.group_id)

@@ -17,6 +17,7 @@ Both give the same bits for the same groups. Out comes one ``ReducedBatch`` of a
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -133,8 +134,12 @@ def _frozen(*arrays: NDArray[np.generic]) -> None:
 
 def _check_finite(values: NDArray[np.float64], offsets: NDArray[np.int64] | int) -> None:
     """One O(N) pass: a NaN would silently poison a whole group (the router rejects non-finite
-    rewards when it records them; this is the reducer's own guard)."""
-    if np.isfinite(values).all():
+    rewards when it records them; this is the reducer's own guard). A finite sum proves every
+    value finite (a NaN or an infinity makes it NaN or infinite) at the cost of one add per
+    value; only a sum that is not finite (a bad value, or an overflow) looks at each value."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = float(np.add.reduce(values))
+    if math.isfinite(total) or np.isfinite(values).all():
         return
     bad = np.flatnonzero(~np.isfinite(values))
     if isinstance(offsets, int):

@@ -198,7 +198,10 @@ class SessionRouter:
         self.journal: JournalSink | None = None
         """Where changes are appended as events; None keeps the router in memory only."""
         self.finalizer = GroupFinalizer(
-            self.feed, self.settings.reducer_window_s, self.settings.reducer_max_batch
+            self.feed,
+            self.settings.reducer_window_s,
+            self.settings.reducer_max_batch,
+            book=self.groups.cursor_book,
         )
         if journal is not None:
             self.attach_journal(journal)
