@@ -143,8 +143,9 @@ class FinalizedBatch:
     - ``filter_metrics``: float64 (N,), aligned with ``values``, NaN where none was given.
     - ``has_filter_metrics``: bool (G,), every counted member of the group gave one.
     - ``width``: n when every group has n counted members and the row path was taken, else 0.
-    - ``record_bytes``: the groups' own ``retained_bytes`` (their records, which the batch
-      keeps alive), added up as they were queued; ``members``: their members, counted or not.
+    - ``record_bytes``: the groups' own ``memory_bytes`` (their records, which the batch
+      keeps alive), added up as they were queued; ``members``: their members, counted or not
+      (at most).
 
     A batch is a ``core.results.ResultSource``: the feed retains it as it is, and it gives
     its groups as columns (``columns``, built once) or as ``GroupResult`` objects.
@@ -388,8 +389,8 @@ class FinalizedBatch:
             filter_metrics=tail_metrics,
             has_filter_metrics=self.has_filter_metrics[start:].copy(),
             width=self.width,
-            record_bytes=sum(f.group.retained_bytes for f in finished),
-            members=sum(len(f.group.members) for f in finished),
+            record_bytes=sum(f.group.memory_bytes for f in finished),
+            members=sum(f.group.size + f.group.replaced for f in finished),
         )
         copy.freeze()
         return copy
@@ -554,7 +555,7 @@ class GroupFinalizer:
             self._metric_groups += 1
         group.finish_number = self._submitted
         self._submitted += 1
-        self._record_bytes += group.retained_bytes
+        self._record_bytes += group.memory_bytes
         self._members += group.size + group.replaced  # at most: some may never have joined
         self._wake.set()
 

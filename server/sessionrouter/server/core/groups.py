@@ -232,6 +232,10 @@ class GroupRecord:
     retained_bytes: int = 0
     """Wire-size estimate of the group with its members (``core.sizes``), kept up to date by
     the ledger as members join, so that finishing a group does not add it up per member."""
+    memory_bytes: int = 0
+    """Memory the record holds with its members, estimated from above (``record_memory``),
+    kept up to date by the ledger like ``retained_bytes``: what a feed batch that refers to
+    the group keeps alive once the ledger forgot it."""
     counted_min_version: int = NO_VERSION
     """Oldest policy version of the rewarded members (``NO_VERSION`` before any reward),
     kept by the ledger as rewards are recorded."""
@@ -302,6 +306,30 @@ GROUP_BYTES = 256
 def member_cost(group: GroupRecord, metadata: Mapping[str, str]) -> int:
     """Wire-size estimate of one member of ``group`` carrying ``metadata``."""
     return member_bytes(len(group.group_id), len(group.task_id), map_bytes(metadata))
+
+
+RECORD_GROUP_BYTES = 1024
+"""Memory of a finished ``GroupRecord`` apart from its members, at most: the object, its
+ids, lists and dicts."""
+RECORD_MEMBER_BYTES = 512
+"""Memory of one ``SessionRecord`` apart from its metadata, at most: the object, its floats,
+its request id (up to ``ID_MAX_LEN`` characters), its place in the group's lists."""
+
+
+def metadata_memory(metadata: Mapping[str, str]) -> int:
+    """Memory of a session's metadata, at most: the dict, and per entry its two strings
+    (Python keeps a string in no more bytes than its UTF-8, plus a header) and its slot."""
+    if not metadata:
+        return 0
+    return 256 + map_bytes(metadata) + 200 * len(metadata)
+
+
+def record_memory(group: GroupRecord) -> int:
+    """Memory a group's record holds with its members, at most (``memory_bytes``); members
+    started together share one metadata dict, counted once."""
+    shared = {id(s.metadata): s.metadata for s in group.members if s.metadata}
+    extra = sum(metadata_memory(m) for m in shared.values())
+    return RECORD_GROUP_BYTES + RECORD_MEMBER_BYTES * len(group.members) + extra
 
 
 def retained_bytes(group: GroupRecord) -> int:
@@ -428,6 +456,7 @@ class GroupLedger:
         self.open_groups += 1
         self.open_sessions += group.size
         group.retained_bytes = retained_bytes(group)
+        group.memory_bytes = record_memory(group)
         self.open_bytes += group.retained_bytes
 
     def _place_rewards(self, group: GroupRecord) -> None:
@@ -465,6 +494,7 @@ class GroupLedger:
         """A member was placed in ``group``, already added: counts its bytes."""
         cost = member_cost(group, metadata)
         group.retained_bytes += cost
+        group.memory_bytes += RECORD_MEMBER_BYTES + metadata_memory(metadata)
         self.open_bytes += cost
 
     def find_request(self, request_id: str) -> RequestRecord | None:

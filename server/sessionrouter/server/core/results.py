@@ -163,6 +163,7 @@ class ResultColumns:
             return self._run(first, last + 1)
         members, member_offsets = _rows_of(self.member_offsets, positions)
         excluded, excluded_offsets = _rows_of(self.excluded_offsets, positions)
+        estimators, estimator_of = self._estimators_of(self.estimator_of[positions])
         pick = operator.itemgetter(*positions.tolist())
         group_ids = [pick(self.group_ids)] if count == 1 else list(pick(self.group_ids))
         task_ids = [pick(self.task_ids)] if count == 1 else list(pick(self.task_ids))
@@ -176,8 +177,8 @@ class ResultColumns:
             std=self.std[positions],
             degenerate=self.degenerate[positions],
             finalize_ns=self.finalize_ns[positions],
-            estimators=self.estimators,
-            estimator_of=self.estimator_of[positions],
+            estimators=estimators,
+            estimator_of=estimator_of,
             has_filter_metrics=self.has_filter_metrics[positions],
             versions=self.versions[positions],
             group_bytes=self.group_bytes[positions],
@@ -191,9 +192,25 @@ class ResultColumns:
             excluded_replaced=self.excluded_replaced[excluded],
         )
 
+    def _estimators_of(
+        self, estimator_of: NDArray[np.int64]
+    ) -> tuple[tuple[EstimatorParams, ...], NDArray[np.int64]]:
+        """Only the estimators some of these groups use, in their order, and the groups'
+        positions among them."""
+        if len(self.estimators) == 1:
+            return self.estimators, estimator_of
+        used, first = np.unique(estimator_of, return_index=True)
+        order = used[np.argsort(first)]  # in the order the groups first use them
+        if order.tolist() == list(range(len(self.estimators))):
+            return self.estimators, estimator_of
+        position = np.empty(len(self.estimators), dtype=np.int64)
+        position[order] = np.arange(order.shape[0])
+        return tuple(self.estimators[i] for i in order.tolist()), position[estimator_of]
+
     def _run(self, start: int, stop: int) -> ResultColumns:
         m0, m1 = int(self.member_offsets[start]), int(self.member_offsets[stop])
         e0, e1 = int(self.excluded_offsets[start]), int(self.excluded_offsets[stop])
+        estimators, estimator_of = self._estimators_of(self.estimator_of[start:stop])
         return ResultColumns(
             cursors=self.cursors[start:stop],
             group_ids=self.group_ids[start:stop],
@@ -204,8 +221,8 @@ class ResultColumns:
             std=self.std[start:stop],
             degenerate=self.degenerate[start:stop],
             finalize_ns=self.finalize_ns[start:stop],
-            estimators=self.estimators,
-            estimator_of=self.estimator_of[start:stop],
+            estimators=estimators,
+            estimator_of=estimator_of,
             has_filter_metrics=self.has_filter_metrics[start:stop],
             versions=self.versions[start:stop],
             group_bytes=self.group_bytes[start:stop],
