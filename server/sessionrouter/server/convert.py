@@ -233,38 +233,42 @@ _OUTCOME_OF_CODE = np.array([_OUTCOME[outcome] for outcome in OUTCOMES], dtype=n
 
 def fill_result_batch(msg: pb.GroupResultBatch, c: ResultColumns) -> None:
     """Writes the groups of ``c`` into an empty GroupResultBatch, in place (a response's own
-    sub-message: no copy). The numeric columns go in as packed wire bytes built from the
-    arrays and merged in one parse, not as one Python number per value; only the ids are
-    per group. ``filter_metrics`` is left empty when no group has any (see the proto)."""
+    sub-message: no copy). The float and bool columns go in as packed wire bytes taken from
+    the arrays and merged in one parse (several times faster than a Python float per value
+    from a few hundred values on); the integer ones through ``extend``, which protobuf does
+    at least as fast. ``filter_metrics`` is left empty when no group has any (see the proto)."""
     if not len(c):
         return
-    versions = c.versions
-    parts = [
-        _packed_varints(1, c.cursors),
-        _packed_varints(4, _OUTCOME_OF_CODE[c.outcome]),
-        _packed_varints(5, c.group_sizes),
-        _packed_doubles(6, c.mean),
-        _packed_doubles(7, c.std),
-        _packed_bools(8, c.degenerate),
-        _packed_varints(9, c.finalize_ns),
-        _packed_varints(11, c.estimator_of),
-        _packed_varints(12, c.member_offsets),
-        _packed_varints(13, c.member_indices),
-        _packed_doubles(14, c.rewards),
-        _packed_doubles(15, c.advantages),
-        _packed_doubles(16, c.filter_metrics) if c.has_filter_metrics.any() else b"",
-        _packed_varints(17, c.excluded_offsets),
-        _packed_varints(18, c.excluded_indices),
-        _packed_bools(19, c.excluded_replaced),
-        _packed_varints(20, versions[:, 0]),
-        _packed_varints(21, versions[:, 1]),
-        _packed_varints(22, versions[:, 2]),
-        _packed_varints(23, versions[:, 3]),
-    ]
-    msg.MergeFromString(b"".join(parts))
+    msg.MergeFromString(
+        b"".join(
+            (
+                _packed_doubles(6, c.mean),
+                _packed_doubles(7, c.std),
+                _packed_bools(8, c.degenerate),
+                _packed_doubles(14, c.rewards),
+                _packed_doubles(15, c.advantages),
+                _packed_doubles(16, c.filter_metrics) if c.has_filter_metrics.any() else b"",
+                _packed_bools(19, c.excluded_replaced),
+            )
+        )
+    )
+    msg.cursors.extend(c.cursors.tolist())
     msg.group_ids.extend(c.group_ids)
     msg.task_ids.extend(c.task_ids)
+    msg.outcomes.extend(_OUTCOME_OF_CODE[c.outcome].tolist())
+    msg.group_sizes.extend(c.group_sizes.tolist())
+    msg.finalize_unix_nanos.extend(c.finalize_ns.tolist())
     msg.estimators.extend([estimator_to_proto(p) for p in c.estimators])
+    msg.estimator_of.extend(c.estimator_of.tolist())
+    msg.member_offsets.extend(c.member_offsets.tolist())
+    msg.member_indices.extend(c.member_indices.tolist())
+    msg.excluded_offsets.extend(c.excluded_offsets.tolist())
+    msg.excluded_indices.extend(c.excluded_indices.tolist())
+    low, high, trainer, admitted = c.versions.T.tolist()
+    msg.min_versions.extend(low)
+    msg.max_versions.extend(high)
+    msg.trainer_versions.extend(trainer)
+    msg.admitted_trainer_versions.extend(admitted)
 
 
 def _varint(value: int) -> bytes:
@@ -290,36 +294,6 @@ def _packed_doubles(number: int, values: NDArray[np.float64]) -> bytes:
 
 def _packed_bools(number: int, values: NDArray[np.bool_]) -> bytes:
     return _field(number, np.ascontiguousarray(values, dtype=np.uint8).tobytes())
-
-
-def _packed_varints(number: int, values: NDArray[np.integer]) -> bytes:
-    """Integers as packed varints, vectorized: an int64 below 0 takes ten bytes (its two's
-    complement, as protobuf encodes negative int64), a uint64 is taken as it is."""
-    if not values.shape[0]:
-        return b""
-    if values.dtype == np.uint64:
-        rest = np.array(values, dtype=np.uint64)
-    else:
-        rest = np.array(values, dtype=np.int64).view(np.uint64)
-    if int(rest.max()) <= 0x7F:
-        return _field(number, rest.astype(np.uint8).tobytes())
-    lengths = np.ones(rest.shape[0], dtype=np.int64)
-    for k in range(1, 10):
-        longer = rest >= np.uint64(1 << (7 * k))
-        if not longer.any():
-            break
-        lengths += longer
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
-    out = np.empty(int(ends[-1]), dtype=np.uint8)
-    seven = np.uint64(7)
-    for k in range(int(lengths.max())):
-        alive = lengths > k
-        chunk = (rest[alive] & np.uint64(0x7F)).astype(np.uint8)
-        chunk[lengths[alive] > k + 1] |= 0x80
-        out[starts[alive] + k] = chunk
-        rest >>= seven
-    return _field(number, out.tobytes())
 
 
 def reward_batch_from_proto(request: spb.SubmitRewardsRequest) -> RewardBatch:

@@ -82,9 +82,11 @@ FINISHED_MEMBER_BYTES = 16
 """Memory per member in a ``FinishedGroup``'s tuples, at most."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class FinishedGroup:
-    """A group whose membership and rewards are final, waiting for its advantages."""
+    """A group whose membership and rewards are final, waiting for its advantages. Not
+    changed once made (not frozen only because a frozen dataclass is several times slower to
+    build, and one is built per finished group)."""
 
     group: GroupRecord
     outcome: GroupOutcome
@@ -120,6 +122,7 @@ class _Memo:
     """What a batch computes on first use and keeps (its columns)."""
 
     columns: ResultColumns | None = None
+    group_bytes: NDArray[np.int64] | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -245,6 +248,31 @@ class FinalizedBatch:
             columns = self._memo.columns = self._columns()
         return columns
 
+    def group_bytes(self) -> NDArray[np.int64]:
+        """int64 (G,): the wire-size estimate of each group's result (``core.sizes``), built
+        on the first call and kept (what a reward stream's backlog counts)."""
+        sizes = self._memo.group_bytes
+        if sizes is None:
+            sizes = self._memo.group_bytes = self._group_bytes()
+        return sizes
+
+    def _group_bytes(self) -> NDArray[np.int64]:
+        n_groups = len(self.finished)
+        groups = list(map(_GROUP, self.finished))
+        names = np.diff(self.offsets)
+        if not self.width:  # excluded members are named too, and replaced ones twice
+            names = names + np.fromiter(
+                (
+                    len(f.excluded) + sum(s.replaced_by >= 0 for s in f.excluded)
+                    for f in self.finished
+                ),
+                dtype=np.int64,
+                count=n_groups,
+            )
+        id_lengths = np.fromiter(map(len, map(_GROUP_ID, groups)), dtype=np.int64, count=n_groups)
+        task_lengths = np.fromiter(map(len, map(_TASK_ID, groups)), dtype=np.int64, count=n_groups)
+        return result_bytes(names, id_lengths, task_lengths)
+
     def _columns(self) -> ResultColumns:
         finished = self.finished
         n_groups = len(finished)
@@ -265,7 +293,6 @@ class FinalizedBatch:
             excluded_offsets = np.zeros(n_groups + 1, dtype=np.int64)
             excluded_indices = np.zeros(0, dtype=np.int64)
             excluded_replaced = np.zeros(0, dtype=np.bool_)
-            replaced = np.zeros(n_groups, dtype=np.int64)
             low = np.fromiter(
                 map(attrgetter("counted_min_version"), groups), dtype=np.uint64, count=n_groups
             )
@@ -280,26 +307,21 @@ class FinalizedBatch:
             ends = [0]
             indices: list[int] = []
             flags: list[bool] = []
-            replaced_count: list[int] = []
             for g in groups:
                 params = g.settings.estimator
                 if params is not last:
                     last, position = params, known.setdefault(params, len(known))
                 of.append(position)
             for f in finished:
-                gone = 0
                 for s in f.excluded:
                     indices.append(s.index)
                     flags.append(s.replaced_by >= 0)
-                    gone += s.replaced_by >= 0
                 ends.append(len(indices))
-                replaced_count.append(gone)
             estimators = tuple(known)
             estimator_of = np.array(of, dtype=np.int64)
             excluded_offsets = np.array(ends, dtype=np.int64)
             excluded_indices = np.array(indices, dtype=np.int64)
             excluded_replaced = np.array(flags, dtype=np.bool_)
-            replaced = np.array(replaced_count, dtype=np.int64)
             pairs = np.array([f.versions() for f in finished], dtype=np.uint64)
             low, high = pairs.reshape(n_groups, 2).T
         finalize = np.fromiter(
@@ -310,9 +332,6 @@ class FinalizedBatch:
             metrics = np.where(np.repeat(has, lengths), self.filter_metrics, np.nan)
         else:
             metrics = np.broadcast_to(np.float64(np.nan), self.values.shape)
-        names = lengths + np.diff(excluded_offsets) + replaced
-        id_lengths = np.fromiter(map(len, group_ids), dtype=np.int64, count=n_groups)
-        task_lengths = np.fromiter(map(len, task_ids), dtype=np.int64, count=n_groups)
         return ResultColumns(
             cursors=self.cursors,
             group_ids=group_ids,
@@ -327,7 +346,7 @@ class FinalizedBatch:
             estimator_of=estimator_of,
             has_filter_metrics=has,
             versions=np.stack([low, high, trainer, admitted], axis=1),
-            group_bytes=result_bytes(names, id_lengths, task_lengths),
+            group_bytes=self.group_bytes(),
             member_offsets=self.offsets,
             member_indices=self.member_indices().astype(np.int64),
             rewards=self.values,

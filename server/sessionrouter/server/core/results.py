@@ -441,6 +441,11 @@ class ResultSource(Protocol):
         """Every group as columns, built on the first call and kept."""
         ...
 
+    def group_bytes(self) -> NDArray[np.int64]:
+        """int64 (G,): each group's wire-size estimate (``columns().group_bytes``, possibly
+        without building the columns)."""
+        ...
+
     def results_at(self, positions: Sequence[int]) -> list[GroupResult]:
         """The groups at ``positions`` as objects, built per call."""
         ...
@@ -492,6 +497,9 @@ class RestoredResults:
             self._columns = columns_of_results(self.results)
         return self._columns
 
+    def group_bytes(self) -> NDArray[np.int64]:
+        return self.columns().group_bytes
+
     def results_at(self, positions: Sequence[int]) -> list[GroupResult]:
         results = self.results
         return [results[int(p)] for p in positions]
@@ -526,7 +534,7 @@ class ResultRows:
 
     def wire_bytes(self) -> int:
         """Wire-size estimate of these results (``core.sizes``)."""
-        return int(self.source.columns().group_bytes[self.positions].sum())
+        return int(self.source.group_bytes()[self.positions].sum())
 
 
 def rows_between(source: ResultSource, start: int, stop: int) -> ResultRows:

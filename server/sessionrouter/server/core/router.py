@@ -1106,8 +1106,14 @@ class SessionRouter:
         return finished
 
     def _finish(self, group: GroupRecord, origin: StreamOrigin | None) -> None:
-        counted = tuple(s for s in group.members if s.state is SessionState.REWARDED)
-        excluded = tuple(s for s in group.members if s.state is not SessionState.REWARDED)
+        members = group.members
+        counted: tuple[SessionRecord, ...]
+        excluded: tuple[SessionRecord, ...]
+        if group.rewarded == len(members):  # the common case: no pass over the states
+            counted, excluded = tuple(members), ()
+        else:
+            counted = tuple(s for s in members if s.state is SessionState.REWARDED)
+            excluded = tuple(s for s in members if s.state is not SessionState.REWARDED)
         if len(counted) == group.size:
             outcome = GroupOutcome.COMPLETE
         elif len(counted) >= group.settings.min_members:
@@ -1132,18 +1138,20 @@ class SessionRouter:
         )
         # A complete group at debug (the activity line sums them up at info); one that ended
         # partial or dropped (deadline, aborts, lost workers) at info.
-        log.log(
-            logging.DEBUG if outcome is GroupOutcome.COMPLETE else logging.INFO,
-            "group %s",
-            outcome.value,
-            extra={
-                "event": "group_finished",
-                "group_id": group.group_id,
-                "outcome": outcome.value,
-                "rewarded": len(counted),
-                "group_size": group.size,
-            },
-        )
+        level = logging.DEBUG if outcome is GroupOutcome.COMPLETE else logging.INFO
+        if log.isEnabledFor(level):  # the extra dict is not built for nothing
+            log.log(
+                level,
+                "group %s",
+                outcome.value,
+                extra={
+                    "event": "group_finished",
+                    "group_id": group.group_id,
+                    "outcome": outcome.value,
+                    "rewarded": len(counted),
+                    "group_size": group.size,
+                },
+            )
 
     # -- recovery --------------------------------------------------------------------------
 
