@@ -87,7 +87,7 @@ class FeedPublisher:
         return max(0, self.feed.last_cursor - self.published_cursor) if self._synced else 0
 
     def notify(self, *_: Any) -> None:
-        """A finalizer listener: a result was just published to the shard's feed."""
+        """A finalizer batch listener: results were just published to the shard's feed."""
         self._wake.set()
 
     async def _resume_point(self) -> int:

@@ -94,7 +94,7 @@ class ShardRuntime:
         except BaseException:
             await self.link.close()
             raise
-        self.router.finalizer.listeners.append(self.publisher.notify)
+        self.router.finalizer.batch_listeners.append(self.publisher.notify)
         loops = {
             "shard-registry": registry.refresh,
             "shard-registry-watch": registry.watch,
