@@ -263,6 +263,7 @@ class RewardFlow:
         request ``requests[i]``: one event for those whose request was acked, the others
         held until it is."""
         self._pending_groups -= len(rows)
+        self._backlog_bytes += event_bytes(rows)  # held ones count too, as in ``deliver``
         self._queue_rows(rows, requests)
         self._ready.set()
 
@@ -277,7 +278,6 @@ class RewardFlow:
                 return
             rows = ResultRows(rows.source, rows.positions[ready])
         self._events.append(rows)
-        self._backlog_bytes += event_bytes(rows)
 
     def deliver(self, request_number: int, result: GroupResult) -> None:
         """Queues a group result completed by request ``request_number``."""
