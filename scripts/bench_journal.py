@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import grpc
-from bench_common import header, median, router_command, server_process
+from bench_common import header, median, router_command, serve, server_process
 from bench_rewards import drive as drive_rewards
 from bench_rewards import make_sessions
 
@@ -147,8 +147,10 @@ async def grpc_costs(args: argparse.Namespace) -> None:
         f" {args.repeats}, modes alternating"
     )
     keys = ["start", *(f"rewards{n}" for n in PER_MESSAGE)]
+    if args.only_start:
+        keys = ["start"]
     figures: dict[str, dict[str, list[float]]] = {
-        mode: {key: [] for key in keys} for mode in ("memory", "journal")
+        mode: {key: [] for key in [*keys, "start_cpu_us"]} for mode in ("memory", "journal")
     }
     for _ in range(args.repeats):
         for mode in ("memory", "journal"):
@@ -161,8 +163,15 @@ async def grpc_costs(args: argparse.Namespace) -> None:
                 else:
                     state = str(Path(tmp) / "state")
                     cmd = [*(a for a in base if a != "--in-memory"), "--state-dir", state]
-                with server_process(cmd) as address:
-                    figures[mode]["start"].append(await start_sessions(address, args.sessions))
+                with serve(cmd) as server:
+                    before = server.cpu_seconds()
+                    figures[mode]["start"].append(
+                        await start_sessions(server.address, args.sessions)
+                    )
+                    cpu = server.cpu_seconds() - before
+                    figures[mode]["start_cpu_us"].append(cpu / args.sessions * 1e6)
+                if args.only_start:
+                    continue
                 with server_process(cmd) as address:
                     names = await make_sessions(address, args.rewards * len(PER_MESSAGE))
                     for i, per_message in enumerate(PER_MESSAGE):
@@ -171,8 +180,9 @@ async def grpc_costs(args: argparse.Namespace) -> None:
                             await drive_rewards(address, part, per_message)
                         )
     print(f"{'':>24} {'in-memory':>12} {'journal':>12} {'journal/memory':>15}")
-    labels = [("start", "StartSession/s")]
-    labels += [(f"rewards{n}", f"rewards/s ({n}/msg)") for n in PER_MESSAGE]
+    labels = [("start", "StartSession/s"), ("start_cpu_us", "server CPU/start (us)")]
+    if not args.only_start:
+        labels += [(f"rewards{n}", f"rewards/s ({n}/msg)") for n in PER_MESSAGE]
     for key, label in labels:
         mem, jour = median(figures["memory"][key]), median(figures["journal"][key])
         print(f"{label:>24} {mem:>12,.0f} {jour:>12,.0f} {jour / mem:>15.2f}")
@@ -186,6 +196,9 @@ def main() -> None:
     parser.add_argument("--rewards", type=int, default=100_000, help="per entries/message case")
     parser.add_argument("--skip-grpc", action="store_true")
     parser.add_argument("--skip-recovery", action="store_true")
+    parser.add_argument(
+        "--only-start", action="store_true", help="only the StartSession figures over gRPC"
+    )
     args = parser.parse_args()
     header("Durable journal: size, recovery, cost over gRPC")
     if not args.skip_recovery:

@@ -39,18 +39,19 @@ from prometheus_client.registry import CollectorRegistry
 
 from sessionrouter.server import reflection
 from sessionrouter.server.activity import ActivityLog
-from sessionrouter.server.auth import RoleAuthInterceptor
+from sessionrouter.server.auth import RoleAuth
 from sessionrouter.server.config import JournalConfig, ServerConfig, WorkerSpec
 from sessionrouter.server.core.clock import Clock
 from sessionrouter.server.core.errors import Unavailable
 from sessionrouter.server.core.router import SessionRouter
 from sessionrouter.server.core.streams import Commit, no_journal
+from sessionrouter.server.guard_chain import GuardedServer, Layer
 from sessionrouter.server.journal import JournalError, JournalTables, SqliteJournal, paused_gc
 from sessionrouter.server.journal.integrity import JournalDamagedError, move_aside
 from sessionrouter.server.journal.writer import OpenTables
 from sessionrouter.server.metrics import DomainHistograms, RouterCollector, serve_metrics
-from sessionrouter.server.payloads import DecodingInterceptor
-from sessionrouter.server.rpc_metrics import RpcMetricsInterceptor
+from sessionrouter.server.payloads import DecodingGuard
+from sessionrouter.server.rpc_metrics import RpcMetrics
 from sessionrouter.server.servicer import SessionServicer, WorkerServicer
 from sessionrouter.server.status import Refusals
 from sessionrouter.v1 import session_service_pb2, worker_service_pb2
@@ -140,28 +141,20 @@ class RouterServer:
                 ("grpc.max_connection_age_grace_ms", int(cfg.max_connection_age_grace_s * 1000))
             )
         registry = CollectorRegistry()
-        interceptors: list[grpc.aio.ServerInterceptor] = []
-        if cfg.metrics_port is not None and cfg.rpc_metrics:  # first: it sees refused calls
-            interceptors.append(RpcMetricsInterceptor(registry))
-        if cfg.tokens is not None:
-            interceptors.append(RoleAuthInterceptor(cfg.tokens))
-        if cfg.tracing:
-            interceptors += self._tracing()
-        # Innermost: it wraps the services' own handlers, after metrics, auth and tracing.
-        interceptors.append(DecodingInterceptor(self.refusals))
-        if self.shards is not None:  # innermost of all: it reads decoded requests
-            interceptors.append(self.shards.guard(self.refusals))
+        # Tracing is OpenTelemetry's interceptor; every other guard wraps each handler once.
+        interceptors = self._tracing() if cfg.tracing else []
         server = grpc.aio.server(options=options, interceptors=interceptors)
+        guarded = GuardedServer(server, self._guards(registry)).stand_in()
         if self.shards is not None:
             self._sessions, workers = self.shards.servicers(self._commit, self.refusals)
         else:
             self._sessions = SessionServicer(self.router, self._commit, self.refusals)
             workers = WorkerServicer(self.router, self._commit, self.refusals)
-        spb_grpc.add_SessionServiceServicer_to_server(self._sessions, server)
-        wpb_grpc.add_WorkerServiceServicer_to_server(workers, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        spb_grpc.add_SessionServiceServicer_to_server(self._sessions, guarded)
+        wpb_grpc.add_WorkerServiceServicer_to_server(workers, guarded)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, guarded)
         reflection.enable_server_reflection(
-            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), guarded
         )
         if cfg.tls_cert_file and cfg.tls_key_file:
             creds = _server_credentials(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
@@ -226,6 +219,21 @@ class RouterServer:
                 f"metrics port {cfg.metrics_port}: {exc.strerror or exc} ({cfg.metrics_address})"
             ) from None
         self.metrics_port = int(self._metrics_http.server_address[1])
+
+    def _guards(self, registry: CollectorRegistry) -> list[Layer]:
+        """The layers around every handler, outermost first: metrics (so they count what
+        the role check refuses), roles, the payload guard, then the shard guard, which reads
+        decoded requests."""
+        cfg = self.config
+        layers: list[Layer] = []
+        if cfg.metrics_port is not None and cfg.rpc_metrics:
+            layers.append(RpcMetrics(registry))
+        if cfg.tokens is not None:
+            layers.append(RoleAuth(cfg.tokens))
+        layers.append(DecodingGuard(self.refusals))
+        if self.shards is not None:
+            layers.append(self.shards.guard(self.refusals))
+        return layers
 
     def _tracing(self) -> list[grpc.aio.ServerInterceptor]:
         """OpenTelemetry's interceptors; a RuntimeError names the extra when it is missing

@@ -18,9 +18,10 @@ can still see whether the router serves.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import grpc
 from google.protobuf import any_pb2
@@ -38,54 +39,66 @@ ECHO_MAX_LEN = 128
 
 _BEARER = b"bearer "
 
-_Req = TypeVar("_Req")
-_Resp = TypeVar("_Resp")
 
-
-class RoleAuthInterceptor(grpc.aio.ServerInterceptor):
+class RoleAuth:
     """Refuses calls without a known token (UNAUTHENTICATED) or outside the token's role
-    (PERMISSION_DENIED), per ``roles.ACCESS``."""
+    (PERMISSION_DENIED), per ``roles.ACCESS``: a layer of ``guard_chain``, so each method's
+    rule and refusals are settled once, when the server is built, and a call only reads its
+    token and looks it up."""
 
     def __init__(self, tokens: TokenTable) -> None:
         self._tokens = tokens
-        self._warned: set[str] = set()
 
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[_Req, _Resp] | None]
-        ],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[_Req, _Resp] | None:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or is_open(method):
+    def __call__(
+        self, method: str, handler: grpc.RpcMethodHandler[Any, Any]
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        if is_open(method):
             return handler
-        token = _bearer(handler_call_details.invocation_metadata or ())
-        if token is None:
-            return _refusing(
-                handler, _unauthenticated("MISSING_TOKEN", "missing 'authorization: Bearer'")
-            )
-        credential = self._tokens.identify(token)
-        if credential is None:
-            return _refusing(handler, _unauthenticated("UNKNOWN_TOKEN", "unknown bearer token"))
-        if method not in ACCESS and method not in self._warned:
-            self._warned.add(method)
+        if method not in ACCESS:
             log.warning("rpc without roles", extra={"event": "rpc_without_roles", "method": method})
         access = access_of(method)
-        if credential.role not in access.roles:
-            allowed = ",".join(sorted(r.value for r in access.roles))
-            return _refusing(
-                handler,
-                _denied(
-                    "ROLE_NOT_ALLOWED",
-                    f"a {credential.role.value} token may not call {method} (allowed: {allowed})",
-                    {"role": credential.role.value, "allowed_roles": allowed, "method": method},
-                ),
+        allowed = ",".join(sorted(r.value for r in access.roles))
+        denied = {
+            role: _denied(
+                "ROLE_NOT_ALLOWED",
+                f"a {role.value} token may not call {method} (allowed: {allowed})",
+                {"role": role.value, "allowed_roles": allowed, "method": method},
             )
-        if access.worker_scoped and credential.role is Role.WORKER:
-            return _worker_scoped(handler, credential, method)
-        return handler
+            for role in Role
+            if role not in access.roles
+        }
+        scoped = access.worker_scoped
+        if scoped and (
+            handler.unary_unary is None or handler.request_streaming or handler.response_streaming
+        ):
+            raise TypeError(f"{method}: a worker-scoped RPC must be unary")
+        tokens = self._tokens
+
+        def refusal(context: grpc.aio.ServicerContext[Any, Any]) -> grpc.Status | Credential:
+            """The call's credential, or the status it is refused with."""
+            token = _bearer(context.invocation_metadata() or ())
+            if token is None:
+                return _MISSING
+            credential = tokens.identify(token)
+            if credential is None:
+                return _UNKNOWN
+            return denied.get(credential.role, credential)
+
+        if handler.unary_unary is not None:
+            behavior = cast(Callable[[Any, Any], Awaitable[Any]], handler.unary_unary)
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                found = refusal(context)
+                if not isinstance(found, Credential):
+                    await context.abort_with_status(found)
+                elif scoped and found.role is Role.WORKER:
+                    await _check_bound(found, request, context, method)
+                return await behavior(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, handler.request_deserializer, handler.response_serializer
+            )
+        return _streaming(handler, refusal)
 
 
 def _bearer(metadata: Any) -> bytes | None:
@@ -116,49 +129,55 @@ def _denied(reason: str, message: str, metadata: Mapping[str, str]) -> grpc.Stat
     return _status(code_pb2.PERMISSION_DENIED, reason, message, metadata)
 
 
-def _refusing(
-    handler: grpc.RpcMethodHandler[Any, Any], status: grpc.Status
+def _streaming(
+    handler: grpc.RpcMethodHandler[Any, Any],
+    refusal: Callable[[grpc.aio.ServicerContext[Any, Any]], grpc.Status | Credential],
 ) -> grpc.RpcMethodHandler[Any, Any]:
-    """A handler of the same streaming shape as ``handler`` that refuses the call.
-
-    grpc.aio accepts a plain coroutine for streaming handlers too (it writes nothing and
-    aborts), so one function serves every shape."""
-
-    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        await context.abort_with_status(status)
-
+    """A streaming ``handler`` behind the role check, of the same shape: an async generator
+    for one that is, a coroutine for one written with ``context.write``."""
     des, ser = handler.request_deserializer, handler.response_serializer
+    behavior: Any = handler.unary_stream or handler.stream_unary or handler.stream_stream
+    if handler.response_streaming and inspect.isasyncgenfunction(behavior):
+
+        async def generator(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            found = refusal(context)
+            if not isinstance(found, Credential):
+                await context.abort_with_status(found)
+            async for reply in behavior(request, context):
+                yield reply
+
+        wrapped: Any = generator
+    else:
+
+        async def coroutine(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            found = refusal(context)
+            if not isinstance(found, Credential):
+                await context.abort_with_status(found)
+            return await behavior(request, context)
+
+        wrapped = coroutine
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse, des, ser)
+        return grpc.stream_stream_rpc_method_handler(wrapped, des, ser)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse, des, ser)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse, des, ser)
-    return grpc.unary_unary_rpc_method_handler(refuse, des, ser)
+        return grpc.stream_unary_rpc_method_handler(wrapped, des, ser)
+    return grpc.unary_stream_rpc_method_handler(wrapped, des, ser)
 
 
-def _worker_scoped(
-    handler: grpc.RpcMethodHandler[Any, Any], credential: Credential, method: str
-) -> grpc.RpcMethodHandler[Any, Any]:
-    """``handler`` behind a check that the request's ``worker_id`` is bound to the token."""
-    if handler.unary_unary is None or handler.request_streaming or handler.response_streaming:
-        raise TypeError(f"{method}: a worker-scoped RPC must be unary")
-    # grpc.aio servicers are coroutines; the stubs type the handler's behavior as sync.
-    behavior = cast(Callable[[Any, Any], Awaitable[Any]], handler.unary_unary)
-
-    async def scoped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        worker_id = str(request.worker_id)
-        if not credential.binds(worker_id):
-            shown = worker_id[:ECHO_MAX_LEN]
-            await context.abort_with_status(
-                _denied(
-                    "WORKER_NOT_BOUND",
-                    f"this worker token may not act on worker {shown!r}",
-                    {"role": credential.role.value, "worker_id": shown, "method": method},
-                )
+async def _check_bound(
+    credential: Credential, request: Any, context: grpc.aio.ServicerContext[Any, Any], method: str
+) -> None:
+    """Refuses a worker token naming a ``worker_id`` its binding does not match."""
+    worker_id = str(request.worker_id)
+    if not credential.binds(worker_id):
+        shown = worker_id[:ECHO_MAX_LEN]
+        await context.abort_with_status(
+            _denied(
+                "WORKER_NOT_BOUND",
+                f"this worker token may not act on worker {shown!r}",
+                {"role": credential.role.value, "worker_id": shown, "method": method},
             )
-        return await behavior(request, context)
+        )
 
-    return grpc.unary_unary_rpc_method_handler(
-        scoped, handler.request_deserializer, handler.response_serializer
-    )
+
+_MISSING = _unauthenticated("MISSING_TOKEN", "missing 'authorization: Bearer'")
+_UNKNOWN = _unauthenticated("UNKNOWN_TOKEN", "unknown bearer token")

@@ -2,7 +2,7 @@
 
 grpc.aio runs a method's request deserializer itself, and any exception it raises (a
 ``DecodeError`` for bytes that are not the message, or for a string field holding invalid
-UTF-8) ends the call with UNKNOWN and a server-side traceback. This interceptor swaps every
+UTF-8) ends the call with UNKNOWN and a server-side traceback. This guard swaps every
 handler's deserializer for one that never raises: a payload that cannot be decoded becomes an
 ``Undecodable`` marker, and a thin wrapper around the method aborts the call with
 INVALID_ARGUMENT when it meets one. A request stream ends, for the method, at the message
@@ -170,29 +170,15 @@ def _guard_writer(
     return grpc.unary_stream_rpc_method_handler(unary_writer, des, ser)
 
 
-class DecodingInterceptor(grpc.aio.ServerInterceptor):
-    """Guards every method's decoding (see the module docstring). Installed innermost (last
-    in the server's list), so the handler it wraps is the service's own, one per method, and
-    the guarded one is built once and reused."""
+class DecodingGuard:
+    """The guard of every method's decoding (see the module docstring), as a layer of
+    ``guard_chain``: it must wrap the service's own handler (other layers read the decoded
+    request), and it wraps each method once, when the server is built."""
 
     def __init__(self, refusals: Refusals | None = None) -> None:
         self._refusals = refusals or Refusals()
-        self._guarded: dict[
-            str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]
-        ] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
-        ],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-        known = self._guarded.get(method)
-        if known is None or known[0] is not handler:
-            known = self._guarded[method] = (handler, _guard(handler, self._refusals))
-        return known[1]
+    def __call__(
+        self, method: str, handler: grpc.RpcMethodHandler[Any, Any]
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        return _guard(handler, self._refusals)

@@ -1,12 +1,14 @@
 """Per-RPC Prometheus metrics for the grpc.aio server: latency, status codes, streams.
 
-Why a hand-written interceptor: OpenTelemetry's gRPC instrumentation for Python
+Why hand-written: OpenTelemetry's gRPC instrumentation for Python
 (``opentelemetry-instrumentation-grpc`` 0.66b2, its ``aio_server_interceptor``) records spans
 only, no metrics (metrics support is an open request upstream), and the Prometheus
 interceptor packages for grpc.aio on PyPI (py-async-grpc-prometheus,
 grpc-prometheus-metrics) are small forks with a release a year or more old. So this module
-is the thinnest interceptor over prometheus-client: it times each call and counts, nothing
-else, and uses the registry the rest of the router's metrics are served from.
+is the thinnest wrapper over prometheus-client: it times each call and counts, nothing
+else, and uses the registry the rest of the router's metrics are served from. It is the
+outermost layer of ``guard_chain`` (each method's handler is wrapped once, when the server is
+built), so it also counts the calls the role check refuses.
 
 Families (``method`` is ``package.Service/Method``; ``code`` a gRPC status name such as
 ``OK`` or ``FAILED_PRECONDITION``):
@@ -28,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -62,7 +64,6 @@ MESSAGE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 
 if TYPE_CHECKING:  # grpc's classes are generic only in its type stubs
     _Handler = grpc.RpcMethodHandler[Any, Any]
-    _Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[_Handler | None]]
 
 
 class _MethodMetrics:
@@ -70,7 +71,7 @@ class _MethodMetrics:
 
     __slots__ = ("_codes", "_method", "_requests", "duration", "in_flight", "received", "sent")
 
-    def __init__(self, metrics: RpcMetricsInterceptor, method: str) -> None:
+    def __init__(self, metrics: RpcMetrics, method: str) -> None:
         self.duration = metrics.duration.labels(method)
         self.in_flight = metrics.in_flight.labels(method)
         self.received = metrics.messages.labels(method, "received")
@@ -87,8 +88,9 @@ class _MethodMetrics:
         counter.inc()
 
 
-class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Times and counts every call; register it first, so it sees what later ones refuse."""
+class RpcMetrics:
+    """Times and counts every call: the outermost layer of ``guard_chain``, so it sees what
+    the layers inside it refuse."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.duration = Histogram(
@@ -117,28 +119,10 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
             buckets=MESSAGE_BUCKETS,
             registry=registry,
         )
-        self._methods: dict[str, _MethodMetrics] = {}
-        self._wrapped: dict[str, tuple[_Handler, _Handler]] = {}
-        """Method -> (the handler grpc gave, its timed wrapper): the service's handlers are
-        the same objects on every call, so each is wrapped once, not once per call (bounded:
-        only methods the server has get here)."""
 
-    async def intercept_service(
-        self, continuation: _Continuation, handler_call_details: grpc.HandlerCallDetails
-    ) -> _Handler | None:
-        handler = await continuation(handler_call_details)
-        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED itself
-            return None
-        full = handler_call_details.method
-        cached = self._wrapped.get(full)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        metrics = self._methods.get(full)
-        if metrics is None:
-            metrics = self._methods[full] = _MethodMetrics(self, full.lstrip("/"))
-        wrapped = _wrapped(handler, metrics)
-        self._wrapped[full] = (handler, wrapped)
-        return wrapped
+    def __call__(self, method: str, handler: _Handler) -> _Handler:
+        """``handler`` timed and counted under ``method`` (``/package.Service/Method``)."""
+        return _wrapped(handler, _MethodMetrics(self, method.lstrip("/")))
 
 
 def _code_after(context: grpc.aio.ServicerContext[Any, Any], error: BaseException | None) -> str:

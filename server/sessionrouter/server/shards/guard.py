@@ -1,7 +1,8 @@
 """The gRPC side of ownership: every unary call naming a group is checked before it runs.
 
-An interceptor rather than code in each handler, so the servicer stays as it is for the
-single process: for StartSession and StartGroup (when they name a group), GetGroup,
+A layer of ``guard_chain`` (each checked method's handler is wrapped once, when the server
+is built) rather than code in each handler, so the servicer stays as it is for the single
+process: for StartSession and StartGroup (when they name a group), GetGroup,
 GetSession and AbortSession it reads the group from the request (a session name carries it),
 checks the ``x-group-id`` header against it (INVALID_ARGUMENT ``GROUP_HEADER_MISMATCH``),
 then ownership (FAILED_PRECONDITION ``WRONG_SHARD`` with the owner) and the registry's shard
@@ -64,9 +65,9 @@ def _header(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
     return None
 
 
-class ShardGuard(grpc.aio.ServerInterceptor):
+class ShardGuard:
     """Refuses calls about groups this shard must not serve (see the module docstring).
-    Install it last (innermost), after the decoding guard, so requests arrive decoded."""
+    The innermost layer, inside the decoding guard, so requests arrive decoded."""
 
     def __init__(
         self,
@@ -77,9 +78,6 @@ class ShardGuard(grpc.aio.ServerInterceptor):
         self._ownership = ownership
         self._check_counts = check_counts
         self._refusals = refusals
-        self._wrapped: dict[
-            str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]
-        ] = {}
 
     def check(self, group_id: str, header: str | None) -> None:
         """The three checks, in the order a caller can fix them; RouterError on the first
@@ -106,19 +104,10 @@ class ShardGuard(grpc.aio.ServerInterceptor):
             unary_unary, handler.request_deserializer, handler.response_serializer
         )
 
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
-        ],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
+    def __call__(
+        self, method: str, handler: grpc.RpcMethodHandler[Any, Any]
+    ) -> grpc.RpcMethodHandler[Any, Any]:
         group_of = GROUP_OF.get(method)
-        if handler is None or group_of is None or handler.unary_unary is None:
+        if group_of is None or handler.unary_unary is None:
             return handler
-        known = self._wrapped.get(method)
-        if known is None or known[0] is not handler:
-            known = self._wrapped[method] = (handler, self._wrap(handler, group_of))
-        return known[1]
+        return self._wrap(handler, group_of)

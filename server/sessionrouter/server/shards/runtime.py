@@ -119,7 +119,7 @@ class ShardRuntime:
         )
 
     def guard(self, refusals: Refusals) -> ShardGuard:
-        """The interceptor that refuses calls about other shards' groups."""
+        """The guard layer that refuses calls about other shards' groups."""
         return ShardGuard(self.ownership, self.check_counts, refusals)
 
     def servicers(
