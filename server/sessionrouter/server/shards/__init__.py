@@ -1,7 +1,7 @@
 """Sharded mode: N fixed routers that own their groups and share a pool and a feed via NATS.
 
 - ``identity``: which shard this is, ownership checks, minted group ids;
-- ``guard``: the interceptor that refuses calls about another shard's group;
+- ``guard``: the guard layer that refuses calls about another shard's group;
 - ``link``: the NATS connection, the buckets and the feed stream;
 - ``registry``: who serves which shard, and the shard-count check;
 - ``pool`` and ``worker_service``: the shared worker pool and its capacity split;
