@@ -51,7 +51,7 @@ from sessionrouter.server.core.settings import RouterSettings
 from sessionrouter.server.core.validation import check_id
 from sessionrouter.server.credentials import CredentialError, TokenTable
 from sessionrouter.server.journal import SyncMode
-from sessionrouter.server.shards.identity import ShardConfig, ShardIdentity
+from sessionrouter.server.shards.identity import DEFAULT_LEASE_CHUNK, ShardConfig, ShardIdentity
 
 DEMO_WORKER_BASE_PORT = 30000
 DEFAULT_STATE_DIR = "state"
@@ -277,6 +277,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("advertise", "--advertise", str, None, "the address this shard registers for"
             " clients and other shards (WRONG_SHARD's owner_address); default the listen"
             " address with the bound port", "shards.advertise", "HOST:PORT"),
+    Setting("admission_lease_chunk", "--admission-lease-chunk", int, DEFAULT_LEASE_CHUNK,
+            "sharded: staleness admission slots a shard leases from the fleet's limit in one"
+            " NATS round trip (a start waits only when its shard's lease is used up; up to"
+            " CHUNK unused slots per shard can be held while another shard is refused)",
+            "shards.admission_lease_chunk", "CHUNK"),
     Setting("log_level", "--log-level", str, "info", "log level",
             choices=("debug", "info", "warning", "error")),
     Setting("log_format", "--log-format", str, "json", "log format", choices=("json", "text")),
@@ -662,7 +667,10 @@ def _shards(src: Sources) -> ShardConfig | None:
         )
     if not url:
         return None
-    return ShardConfig(shard, url, src.get("advertise") or "")
+    chunk = src.get("admission_lease_chunk")
+    if not 1 <= chunk <= 1_000_000:
+        raise ConfigError(f"shards.admission_lease_chunk must be 1 to 1000000, got {chunk}")
+    return ShardConfig(shard, url, src.get("advertise") or "", chunk)
 
 
 def _check_positive(key: str, value: float) -> None:

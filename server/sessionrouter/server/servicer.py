@@ -37,6 +37,7 @@ from sessionrouter.server.core.results import (
 from sessionrouter.server.core.rewards import RewardBatch
 from sessionrouter.server.core.router import SessionRouter
 from sessionrouter.server.core.sizes import MESSAGE_BUDGET_BYTES
+from sessionrouter.server.core.staleness import AdmissionPending
 from sessionrouter.server.core.streams import (
     Commit,
     MemberReplaced,
@@ -87,7 +88,10 @@ async def _start(
     """Runs a start now, or, when the caller asks to wait for admission, until admission
     opens within the call's deadline."""
     if not wait:
-        return start()
+        try:
+            return start()
+        except AdmissionPending as pending:  # a shard's lease ran out: one NATS round trip
+            return await pending.retry(start)
     remaining = context.time_remaining()
     timeout = DEFAULT_ADMISSION_WAIT_S if remaining is None else min(remaining, 86_400.0)
     return await router.start_when_admitted(start, timeout)

@@ -494,6 +494,12 @@ class SessionRouter:
             )
         )
 
+    def trainer_changed(self) -> None:
+        """Journals ``trainer`` and wakes waiting starts after a change made from outside
+        the router: a shard applying the fleet's trainer state or a new admission lease."""
+        self._journal_trainer()
+        self._notify_admission()
+
     def _notify_admission(self) -> None:
         changed, self._admission_changed = self._admission_changed, asyncio.Event()
         changed.set()

@@ -24,13 +24,51 @@ Joins of an existing group are never refused by the rule: the group was admitted
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from sessionrouter.server.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from sessionrouter.server.core.validation import check_version
 
 MAX_BATCH_SIZE = 1_000_000
 MAX_STALENESS = 1_000_000
+LEASE_TRIES = 3
+"""Lease answers a start that found its shard's lease used up waits for, at most (other starts
+of the shard may take the slots an answer brought)."""
+
+_T = TypeVar("_T")
+
+
+class LeaseSource(Protocol):
+    """Where a shard's admission slots come from (``shards.admission.FleetAdmission``)."""
+
+    def more(self) -> Awaitable[bool] | str:
+        """Asks for more slots: an awaitable that ends with the answer (True: the lease
+        grew), or, when none can come now, the reason, for the refusal's message."""
+        ...
+
+
+class AdmissionPending(ResourceExhausted):
+    """STALENESS_LIMIT for now: the shard's lease is used up and more was asked for.
+    ``retry`` waits for the answer and starts again; uncaught, it is the refusal."""
+
+    def __init__(self, answer: Awaitable[bool], message: str, metadata: dict[str, object]) -> None:
+        super().__init__("STALENESS_LIMIT", message, metadata=metadata, retry_after_s=0.1)
+        self.answer = answer
+
+    async def retry(self, start: Callable[[], _T]) -> _T:
+        """Waits for the lease answer and calls ``start`` again, up to LEASE_TRIES times;
+        raises the last refusal when no slot came."""
+        pending: AdmissionPending = self
+        for _ in range(LEASE_TRIES):
+            if not await pending.answer:
+                break
+            try:
+                return start()
+            except AdmissionPending as again:
+                pending = again
+        raise pending
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +110,11 @@ class StalenessGate:
     epoch: int = 0
     """Bumped by every counter reset: a group counts against the epoch it was admitted in,
     so the drop of a group admitted before a reset does not reopen a slot after it."""
+    lease: int | None = None
+    """Sharded: the slots of the fleet's limit this shard holds in ``epoch``; it admits only
+    while ``in_flight < lease``. None: one router, bound by the limit alone."""
+    lease_source: LeaseSource | None = None
+    """Asked for more slots when the lease is used up (sharded only)."""
 
     @property
     def limit(self) -> int:
@@ -90,24 +133,63 @@ class StalenessGate:
         """True when one more group may be admitted."""
         return self.policy is None or self.in_flight < self.limit
 
+    def _metadata(self) -> dict[str, object]:
+        return {
+            "in_flight": self.in_flight,
+            "limit": self.limit,
+            "trainer_version": self.version,
+            "max_staleness": self.policy.max_staleness if self.policy else 0,
+            "batch_size": self.policy.batch_size if self.policy else 0,
+        }
+
     def check_admit(self, retry_after_s: float) -> None:
-        """Refuses a new group beyond the limit with ResourceExhausted (STALENESS_LIMIT)."""
-        if self.open:
+        """Refuses a new group beyond the limit with ResourceExhausted (STALENESS_LIMIT);
+        on a shard whose lease is used up, AdmissionPending (more slots were asked for) or
+        STALENESS_LIMIT naming why no more can come."""
+        if not self.open:
+            raise ResourceExhausted(
+                "STALENESS_LIMIT",
+                f"{self.in_flight} groups in flight reach the staleness limit {self.limit}"
+                f" (trainer version {self.version}); retry when the trainer steps or groups are"
+                " dropped",
+                metadata=self._metadata(),
+                retry_after_s=retry_after_s,
+            )
+        if self.policy is None or self.lease is None or self.in_flight < self.lease:
             return
-        raise ResourceExhausted(
-            "STALENESS_LIMIT",
-            f"{self.in_flight} groups in flight reach the staleness limit {self.limit}"
-            f" (trainer version {self.version}); retry when the trainer steps or groups are"
-            " dropped",
-            metadata={
-                "in_flight": self.in_flight,
-                "limit": self.limit,
-                "trainer_version": self.version,
-                "max_staleness": self.policy.max_staleness if self.policy else 0,
-                "batch_size": self.policy.batch_size if self.policy else 0,
-            },
-            retry_after_s=retry_after_s,
+        metadata = {**self._metadata(), "shard_lease": self.lease}
+        answer = self.lease_source.more() if self.lease_source is not None else "no lease source"
+        message = (
+            f"this shard's {self.in_flight} groups in flight fill its lease of {self.lease}"
+            f" slots of the fleet's staleness limit {self.limit} (trainer version"
+            f" {self.version})"
         )
+        if isinstance(answer, str):
+            raise ResourceExhausted(
+                "STALENESS_LIMIT",
+                f"{message}: {answer}; retry when the trainer steps or groups are dropped",
+                metadata=metadata,
+                retry_after_s=retry_after_s,
+            )
+        raise AdmissionPending(answer, f"{message}; more were asked for", metadata)
+
+    def adopt(
+        self,
+        version: int,
+        policy: StalenessPolicy | None,
+        refuse_mixed_versions: bool,
+        epoch: int,
+        lease: int,
+    ) -> None:
+        """Takes the fleet's trainer state as a sharded router shares it (no checks: it was
+        checked where it was written). Another epoch restarts the counters."""
+        if epoch != self.epoch:
+            self.started = self.dropped = 0
+            self.epoch = epoch
+        self.version = version
+        self.policy = policy
+        self.refuse_mixed_versions = refuse_mixed_versions
+        self.lease = lease
 
     def set_state(
         self,

@@ -44,6 +44,8 @@ def memory_seq_offset() -> int:
     return (1 + secrets.randbelow((1 << 7) - 1)) << 24
 
 
+DEFAULT_LEASE_CHUNK = 16
+"""Admission slots a shard leases at once by default (``--admission-lease-chunk``)."""
 MINT_ATTEMPTS = 100_000
 """Random ids tried before minting gives up; with N shards a try succeeds with chance 1/N,
 so for N up to 32768 running out is below 1e-1 and for N <= 1000 never happens in practice."""
@@ -97,6 +99,9 @@ class ShardConfig:
     advertise: str = ""
     """The address other shards and clients are told to reach this one at; empty: the
     listen address with the bound port."""
+    lease_chunk: int = DEFAULT_LEASE_CHUNK
+    """Admission slots a shard leases from the fleet's staleness limit at once
+    (``shards.admission``)."""
 
 
 class Ownership:

@@ -22,6 +22,7 @@ CONNECT_WINDOW_S = 5.0
 SHARDS_BUCKET = "sessionrouter_shards"
 WORKERS_BUCKET = "sessionrouter_workers"
 LOAD_BUCKET = "sessionrouter_load"
+TRAINER_BUCKET = "sessionrouter_trainer"
 FEED_STREAM = "SESSIONROUTER_GROUPS"
 FEED_SUBJECT_PREFIX = "sessionrouter.groups"
 DEDUP_WINDOW_S = 600.0
@@ -120,6 +121,10 @@ class NatsLink:
                     "bucket exists with another TTL",
                     extra={"event": "bucket_config_differs", "bucket": bucket, "ttl_s": ttl},
                 )
+        # The trainer state and admission leases outlive any process: no TTL.
+        with contextlib.suppress(BadRequestError):
+            await self.js.create_key_value(bucket=TRAINER_BUCKET, history=1)
+        await self.js.key_value(TRAINER_BUCKET)
         config = api.StreamConfig(
             name=FEED_STREAM,
             subjects=[f"{FEED_SUBJECT_PREFIX}.*"],

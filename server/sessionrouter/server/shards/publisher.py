@@ -18,8 +18,14 @@ The epoch is the journal's identity (a random one without a journal): a shard wh
 differs from the last message's has a new feed whose cursors start again, and publishes all
 of it. A backlog longer than the shard's feed retention (``--feed-retention``, bytes bound
 too) loses its oldest results from the merged feed; that is logged as an error with the
-count, and the groups stay readable with GetGroup on their shard. So does a result larger
-than NATS's ``max_payload`` (1 MiB by default; raise it to 2 MiB for the largest groups).
+count, and the groups stay readable with GetGroup on their shard.
+
+No result is too large for the stream: a shard refuses to start when NATS's ``max_payload``
+is below ``largest_payload()``, the largest message any group result of this router can make
+(its byte bounds: at most ``MAX_GROUP_SIZE`` members, twice that with replacements, ids of at
+most ``ID_MAX_LEN``). Should a NATS server come back with a smaller limit while a shard
+serves, publication pauses with an error logged every ``TOO_LARGE_PAUSE_S`` until NATS takes
+the message again: results wait in the shard's feed, they are not skipped.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from typing import Any
 
 from sessionrouter.server import convert
 from sessionrouter.server.core.feed import GroupFeed, GroupResult
+from sessionrouter.server.core.sizes import result_bytes
+from sessionrouter.server.core.validation import ID_MAX_LEN, MAX_GROUP_SIZE
 from sessionrouter.server.journal.integrity import IDENTITY_FILE
 from sessionrouter.server.shards.identity import ShardIdentity
 from sessionrouter.server.shards.link import FEED_STREAM, FEED_SUBJECT_PREFIX, NatsLink
@@ -44,6 +52,21 @@ WINDOW = 64
 CURSOR_HEADER = "Sessionrouter-Cursor"
 EPOCH_HEADER = "Sessionrouter-Epoch"
 SHARD_HEADER = "Sessionrouter-Shard"
+HEADERS_BYTES = 512
+"""Room for the message's headers and subject within ``max_payload``."""
+TOO_LARGE_PAUSE_S = 5.0
+
+
+def largest_payload() -> int:
+    """The largest feed message this router can publish, bytes: a result naming every
+    member of the largest group with replacements (``2 * MAX_GROUP_SIZE`` sessions, counted
+    or excluded, and up to ``MAX_GROUP_SIZE`` of them again as replaced), ids at their
+    longest, plus the headers."""
+    return result_bytes(3 * MAX_GROUP_SIZE, ID_MAX_LEN, ID_MAX_LEN) + HEADERS_BYTES
+
+
+class PayloadTooLargeError(RuntimeError):
+    """A result NATS does not take now (its ``max_payload`` shrank while serving)."""
 
 
 def feed_epoch(state_dir: str | None) -> str:
@@ -143,23 +166,24 @@ class FeedPublisher:
             self.published += len(batch)
 
     async def _publish(self, result: GroupResult) -> Any:
-        """Publishes one result and returns JetStream's ack; None for a result larger than
-        NATS's ``max_payload``, which is logged and skipped (waiting would stop this shard's
-        publication for good)."""
+        """Publishes one result and returns JetStream's ack. A result larger than NATS's
+        ``max_payload`` now pauses publication (logged), then PayloadTooLargeError restarts
+        it from the stream: nothing is skipped."""
         payload = payload_of(result, self.shard.index)
         limit = int(self.link.nc.max_payload)
-        if len(payload) + 512 > limit:
-            self.lost += 1
+        if len(payload) + HEADERS_BYTES > limit:
             log.error(
-                "group result larger than NATS max_payload: not in the merged feed",
+                "group result larger than NATS max_payload: feed publication paused until"
+                " NATS takes it",
                 extra={
                     "event": "feed_publish_too_large",
                     "group_id": result.group_id,
-                    "bytes": len(payload),
+                    "bytes": len(payload) + HEADERS_BYTES,
                     "max_payload": limit,
                 },
             )
-            return None
+            await asyncio.sleep(TOO_LARGE_PAUSE_S)
+            raise PayloadTooLargeError(f"{len(payload)} bytes over max_payload {limit}")
         headers = {
             "Nats-Msg-Id": result.group_id,
             CURSOR_HEADER: str(result.cursor),

@@ -12,6 +12,17 @@ without stopping the old set) refuses every call that names a group with FAILED_
 ``SHARD_COUNT_MISMATCH`` until the entry goes away: it cannot know which map is meant, and
 refusing is what keeps a group from being served by two owners. Health stays SERVING for
 what does not name a group (lookups of workers, the feed).
+
+**One process per index.** An entry names its holder: a random ``instance`` per process, its
+address and its journal. Writes of the entry are compare-and-set on its revision. A shard
+that finds a live entry of its own index held by another instance takes it over at once when
+the holder had the same address or the same journal (a restart in place after kill -9: two
+live processes cannot bind one port or lock one journal); otherwise it waits up to
+``TAKEOVER_S`` for the holder's next refresh, and refuses to start (``ShardStartError``, exit
+2, one line naming the holder) when it comes, or takes over when it does not (the holder
+died without deleting its entry). A serving shard whose refresh finds its entry taken by
+another instance stops refreshing it and refuses every call naming a group with
+FAILED_PRECONDITION ``DUPLICATE_SHARD`` until it is restarted.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +43,9 @@ log = logging.getLogger("sessionrouter.shards")
 
 REFRESH_S = 3.0
 """How often a shard refreshes its registry entry (the bucket's TTL is at least 15 s)."""
+TAKEOVER_S = 2 * REFRESH_S + 1.0
+"""How long a starting shard waits for the holder of its index to refresh its entry before
+it takes the entry over (a holder at another address and journal)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +57,10 @@ class ShardEntry:
     address: str
     started_at: float
     """Unix seconds the process started serving."""
+    instance: str = ""
+    """Random per process: tells two processes of one index apart."""
+    journal: str = ""
+    """The journal's identity (``publisher.feed_epoch``; ``mem-...`` without a journal)."""
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -50,6 +69,8 @@ class ShardEntry:
                 "count": self.count,
                 "address": self.address,
                 "started_at": self.started_at,
+                "instance": self.instance,
+                "journal": self.journal,
             }
         ).encode()
 
@@ -58,10 +79,27 @@ class ShardEntry:
         try:
             raw = json.loads(data)
             return cls(
-                int(raw["index"]), int(raw["count"]), str(raw["address"]), float(raw["started_at"])
+                int(raw["index"]),
+                int(raw["count"]),
+                str(raw["address"]),
+                float(raw["started_at"]),
+                str(raw.get("instance", "")),
+                str(raw.get("journal", "")),
             )
         except (ValueError, KeyError, TypeError):
             return None
+
+    def same_place(self, other: ShardEntry) -> bool:
+        """True when ``other`` had this process's address or journal: it cannot be alive."""
+        same_journal = bool(self.journal) and not self.journal.startswith("mem-")
+        return self.address == other.address or (same_journal and self.journal == other.journal)
+
+    def describe(self) -> str:
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started_at))
+        return (
+            f"instance {self.instance or '?'} at {self.address or '?'} (journal"
+            f" {self.journal or '?'}, serving since {started})"
+        )
 
 
 def _key(index: int) -> str:
@@ -71,10 +109,18 @@ def _key(index: int) -> str:
 class ShardRegistry:
     """This shard's entry, and what it knows of the others."""
 
-    def __init__(self, link: NatsLink, shard: ShardIdentity, address: str) -> None:
+    def __init__(
+        self, link: NatsLink, shard: ShardIdentity, address: str, journal: str = ""
+    ) -> None:
         self._link = link
         self.shard = shard
-        self.entry = ShardEntry(shard.index, shard.count, address, time.time())
+        self.entry = ShardEntry(
+            shard.index, shard.count, address, time.time(), uuid.uuid4().hex[:12], journal
+        )
+        self.revision = 0
+        """The revision of this shard's own entry as last written."""
+        self.displaced: ShardEntry | None = None
+        """Another process that took this shard's index while it served."""
         self.peers: dict[int, ShardEntry] = {}
         """Entries of the shards with this shard's count, by index (this one included)."""
         self.mismatched: dict[int, ShardEntry] = {}
@@ -98,8 +144,61 @@ class ShardRegistry:
                     " --shard N (stop the others first to reshard)"
                 )
             self.peers[entry.index] = entry
-        await self._kv.put(_key(self.shard.index), self.entry.encode())
+        await self._claim()
         self.peers[self.shard.index] = self.entry
+
+    async def _holder(self) -> tuple[ShardEntry | None, int]:
+        """The entry of this shard's index and its revision (None, revision: none live)."""
+        from nats.js.errors import KeyDeletedError, NotFoundError
+
+        try:
+            got = await self._kv.get(_key(self.shard.index))
+        except KeyDeletedError as deleted:
+            return None, int(deleted.entry.revision) if deleted.entry is not None else 0
+        except NotFoundError:
+            return None, 0
+        return ShardEntry.decode(got.value or b""), int(got.revision)
+
+    async def _claim(self) -> None:
+        """Writes this shard's entry by CAS, after the checks of the module docstring."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + TAKEOVER_S
+        seen: int | None = None
+        """The holder's revision when first seen: a change means it is alive."""
+        while True:
+            holder, revision = await self._holder()
+            if (
+                holder is not None
+                and holder.instance != self.entry.instance
+                and not self.entry.same_place(holder)
+            ):
+                if seen is not None and revision != seen:
+                    raise ShardStartError(
+                        f"shard {self.shard} refused to start: it is already served by"
+                        f" {holder.describe()}; stop that process first, or give this one"
+                        " another --shard index"
+                    )
+                seen = revision
+                if loop.time() < give_up:
+                    await asyncio.sleep(0.25)
+                    continue
+                log.warning(
+                    "taking over a shard entry that stopped refreshing",
+                    extra={
+                        "event": "shard_takeover",
+                        "shard": str(self.shard),
+                        "previous": holder.describe(),
+                    },
+                )
+            try:
+                self.revision = await self._kv.update(
+                    _key(self.shard.index), self.entry.encode(), last=revision
+                )
+                return
+            except KeyWrongLastSequenceError:
+                continue  # written meanwhile: look again
 
     async def _entries(self) -> list[ShardEntry]:
         """The live entries, read now. The keys come from the bucket's stream (its subjects
@@ -120,10 +219,33 @@ class ShardRegistry:
     async def refresh(self) -> None:
         """Refreshes this shard's entry every REFRESH_S until cancelled (run under
         ``retry_forever``)."""
-        kv = await self._link.js.key_value(SHARDS_BUCKET)
-        while True:
-            await kv.put(_key(self.shard.index), self.entry.encode())
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        kv = self._kv = await self._link.js.key_value(SHARDS_BUCKET)
+        while self.displaced is None:
+            try:
+                self.revision = await kv.update(
+                    _key(self.shard.index), self.entry.encode(), last=self.revision
+                )
+            except KeyWrongLastSequenceError:
+                holder, revision = await self._holder()
+                if holder is not None and holder.instance != self.entry.instance:
+                    self._displaced_by(holder)
+                    return
+                self.revision = revision  # expired (an outage beyond the TTL): write again
+                continue
             await asyncio.sleep(REFRESH_S)
+
+    def _displaced_by(self, holder: ShardEntry) -> None:
+        self.displaced = holder
+        log.error(
+            "another process serves this shard index",
+            extra={
+                "event": "shard_duplicate",
+                "shard": str(self.shard),
+                "other": holder.describe(),
+            },
+        )
 
     async def watch(self) -> None:
         """Follows every shard's entry (addresses for WRONG_SHARD, other counts for
@@ -163,7 +285,20 @@ class ShardRegistry:
         self.mismatched[index] = entry
 
     def check_counts(self) -> None:
-        """FailedPrecondition SHARD_COUNT_MISMATCH while another count is live."""
+        """FailedPrecondition SHARD_COUNT_MISMATCH while another count is live, and
+        DUPLICATE_SHARD once another process took this shard's index."""
+        if self.displaced is not None:
+            other = self.displaced
+            raise FailedPrecondition(
+                "DUPLICATE_SHARD",
+                f"shard {self.shard} is now served by {other.describe()}; this process no"
+                " longer serves groups (stop it)",
+                metadata={
+                    "shard": str(self.shard),
+                    "other_instance": other.instance,
+                    "other_address": other.address,
+                },
+            )
         if not self.mismatched:
             return
         other = next(iter(self.mismatched.values()))
@@ -183,6 +318,9 @@ class ShardRegistry:
         """Deletes this shard's entry (a clean stop)."""
         if self._kv is not None and self._link.connected:
             try:
-                await asyncio.wait_for(self._kv.delete(_key(self.shard.index)), 2.0)
+                if self.displaced is None:  # never another process's entry
+                    await asyncio.wait_for(
+                        self._kv.delete(_key(self.shard.index), last=self.revision), 2.0
+                    )
             except Exception as exc:
                 log.debug("registry entry not deleted", extra={"error": repr(exc)})

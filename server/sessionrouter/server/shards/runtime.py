@@ -16,6 +16,7 @@ import logging
 from sessionrouter.server.config import WorkerSpec
 from sessionrouter.server.core.router import SessionRouter
 from sessionrouter.server.core.streams import Commit
+from sessionrouter.server.shards.admission import FleetAdmission
 from sessionrouter.server.shards.guard import ShardGuard
 from sessionrouter.server.shards.identity import (
     SEQ_SPAN,
@@ -25,11 +26,11 @@ from sessionrouter.server.shards.identity import (
     shard_seq_floor,
 )
 from sessionrouter.server.shards.link import NatsLink, ShardStartError, retry_forever
-from sessionrouter.server.shards.merged_feed import ShardedSessionServicer
 from sessionrouter.server.shards.metrics import ShardCollector
 from sessionrouter.server.shards.pool import PoolMirror
-from sessionrouter.server.shards.publisher import FeedPublisher, feed_epoch
+from sessionrouter.server.shards.publisher import FeedPublisher, feed_epoch, largest_payload
 from sessionrouter.server.shards.registry import ShardRegistry
+from sessionrouter.server.shards.trainer_service import FleetSessionServicer
 from sessionrouter.server.shards.worker_service import ShardedWorkerServicer
 from sessionrouter.server.status import Refusals
 
@@ -54,6 +55,7 @@ class ShardRuntime:
         self.pool = PoolMirror(router, self.link, config.shard)
         self.pool.keep_static(static_workers)
         self.publisher = FeedPublisher(router.feed, self.link, config.shard, feed_epoch(state_dir))
+        self.admission = FleetAdmission(router, self.link, config.shard, config.lease_chunk)
         self._tasks: list[asyncio.Task[None]] = []
         self._collector: ShardCollector | None = None
         router.new_group_id = self.ownership.mint_group_id
@@ -75,13 +77,19 @@ class ShardRuntime:
         settings = self.router.settings
         await self.link.connect()
         try:
+            self.check_max_payload()
             await self.link.ensure_jetstream(
                 settings.feed_retention, settings.max_retained_bytes, settings.heartbeat_timeout_s
             )
-            registry = ShardRegistry(self.link, self.config.shard, self.config.advertise or address)
+            registry = ShardRegistry(
+                self.link, self.config.shard, self.config.advertise or address, self.publisher.epoch
+            )
             await registry.join()
             self.registry = registry
             await self.pool.open()
+            # After the journal's restore, which replaced the router's gate.
+            self.router.trainer.lease_source = self.admission
+            await self.admission.open()
         except ShardStartError:
             await self.link.close()
             raise
@@ -102,6 +110,8 @@ class ShardRuntime:
             "load-watch": self.pool.watch_loads,
             "load-publish": self.pool.publish_loads,
             "feed-publish": self.publisher.run,
+            "trainer-watch": self.admission.watch,
+            "lease-return": self.admission.return_unused,
         }
         self._tasks = [
             asyncio.create_task(retry_forever(name, self.link, body), name=name)
@@ -118,15 +128,29 @@ class ShardRuntime:
             },
         )
 
+    def check_max_payload(self) -> None:
+        """ShardStartError when NATS's ``max_payload`` is below the largest group result
+        this router can publish (``publisher.largest_payload``): such a result could never
+        reach the merged feed."""
+        limit, needed = int(self.link.nc.max_payload), largest_payload()
+        if limit < needed:
+            raise ShardStartError(
+                f"shard {self.config.shard} refused to start: NATS at {self.config.nats_url}"
+                f" takes messages of at most {limit} bytes (max_payload), but this router's"
+                f" largest group result is {needed} bytes; set max_payload to at least"
+                f" {needed} in the NATS server's configuration"
+            )
+
     def guard(self, refusals: Refusals) -> ShardGuard:
         """The guard layer that refuses calls about other shards' groups."""
         return ShardGuard(self.ownership, self.check_counts, refusals)
 
     def servicers(
         self, commit: Commit, refusals: Refusals
-    ) -> tuple[ShardedSessionServicer, ShardedWorkerServicer]:
-        """The services of a sharded router: the merged feed, the shared pool."""
-        sessions = ShardedSessionServicer(self.router, self.link, commit, refusals)
+    ) -> tuple[FleetSessionServicer, ShardedWorkerServicer]:
+        """The services of a sharded router: the merged feed and the fleet's trainer state,
+        the shared pool."""
+        sessions = FleetSessionServicer(self.router, self.link, self.admission, commit, refusals)
         sessions.result_shard = self.config.shard.index
         return sessions, ShardedWorkerServicer(self.router, self.pool, commit, refusals)
 
@@ -149,6 +173,11 @@ class ShardRuntime:
                 "feed not fully published at stop; the restart publishes the rest",
                 extra={"event": "feed_publish_pending", "groups": self.publisher.backlog},
             )
+        if self.link.connected:  # the slots this shard holds unused go back to the fleet
+            try:
+                await asyncio.wait_for(self.admission.release(), 2.0)
+            except Exception as exc:
+                log.warning("admission lease not returned", extra={"error": repr(exc)})
         for task in self._tasks:
             task.cancel()
         if self._tasks:
