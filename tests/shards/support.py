@@ -27,7 +27,7 @@ from sessionrouter.server.app import WorkerSpec
 from sessionrouter.server.config import JournalConfig
 from sessionrouter.server.core.router import RouterSettings
 from sessionrouter.server.journal import SyncMode
-from sessionrouter.server.shards.identity import ShardConfig, ShardIdentity
+from sessionrouter.server.shards.identity import DEFAULT_LEASE_CHUNK, ShardConfig, ShardIdentity
 from sessionrouter.v1 import session_service_pb2 as spb
 from tests.support import Harness, start_harness
 
@@ -46,8 +46,10 @@ def nats_server_binary() -> Path:
 class NatsServer:
     """One nats-server process with JetStream (see the module docstring)."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, config: str = "") -> None:
         self.workdir = workdir
+        self.config = config
+        """nats-server configuration file text (``-c``); empty: none."""
         self.store = workdir / "jetstream"
         self.log = workdir / "nats.log"
         self.port = -1
@@ -62,10 +64,16 @@ class NatsServer:
         ports_dir.mkdir(exist_ok=True)
         for old in ports_dir.iterdir():
             old.unlink()
+        extra: list[str] = []
+        if self.config:
+            conf = self.workdir / "nats.conf"
+            conf.write_text(self.config)
+            extra = ["-c", str(conf)]
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 [
                     str(nats_server_binary()),
+                    *extra,
                     *("-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store)),
                     *("--ports_file_dir", str(ports_dir), "-l", str(self.log)),
                 ],
@@ -130,6 +138,7 @@ async def start_shard(
     state_dir: Path | None = None,
     settings: RouterSettings | None = None,
     workers: tuple[WorkerSpec, ...] = (),
+    lease_chunk: int = DEFAULT_LEASE_CHUNK,
     **config: object,
 ) -> Harness:
     """An in-process shard ``index``/``count`` on 127.0.0.1:0 against NATS at ``url``; with
@@ -140,7 +149,7 @@ async def start_shard(
         workers,
         None,
         None,
-        shards=ShardConfig(ShardIdentity(index, count), url),
+        shards=ShardConfig(ShardIdentity(index, count), url, lease_chunk=lease_chunk),
         journal=journal,
         **config,
     )

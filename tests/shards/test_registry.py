@@ -1,5 +1,8 @@
 """The shard registry and start-up refusals: NATS unreachable, a shard count that disagrees
-with a live shard's (at start: exit 2; later: SHARD_COUNT_MISMATCH), bad --shard values."""
+with a live shard's (at start: exit 2; later: SHARD_COUNT_MISMATCH), bad --shard values, a
+second process for a live shard index (exit 2; a displaced one: DUPLICATE_SHARD) while a
+restart in place takes its index back at once, and a NATS max_payload too small for the
+largest group result (exit 2)."""
 
 from __future__ import annotations
 
@@ -12,9 +15,14 @@ import grpc
 import nats
 import pytest
 
+from sessionrouter.client.shardmap import MAX_SHARDS
 from sessionrouter.server.config import ConfigError, build_config
 from sessionrouter.server.core.router import RouterSettings
+from sessionrouter.server.core.validation import ID_MAX_LEN, MAX_GROUP_SIZE
 from sessionrouter.server.shards.link import SHARDS_BUCKET, ShardStartError
+from sessionrouter.server.shards.publisher import CURSOR_HEADER, EPOCH_HEADER, largest_payload
+from sessionrouter.server.shards.registry import TAKEOVER_S
+from sessionrouter.v1 import resources_pb2 as pb
 from sessionrouter.v1 import session_service_pb2 as spb
 from tests.router_process import RouterProcess
 from tests.shards.support import NatsServer, eventually, owned_group, start_shard
@@ -127,3 +135,161 @@ async def test_shards_with_another_heartbeat_timeout_share_the_buckets(
     finally:
         await stop_harness(s1)
         await stop_harness(s0)
+
+
+@pytest.mark.slow
+async def test_a_second_process_for_a_live_shard_index_is_refused(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    s1 = await start_shard(nats_server.url, 1, 3)
+    try:
+        holder = s1.server.shards.registry.entry
+        process = RouterProcess(
+            tmp_path, "--in-memory", "--shard", "1/3", "--nats-url", nats_server.url
+        )
+        code, log = await asyncio.to_thread(process.exits)
+        assert code == 2
+        (error,) = [line for line in log.splitlines() if line.startswith("sessionrouter: error:")]
+        assert "shard 1/3 refused to start: it is already served by" in error
+        assert f"instance {holder.instance} at {holder.address}" in error
+        # The holder kept its entry and serves on.
+        assert s1.server.shards.registry.displaced is None
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await s1.sessions.GetGroup(spb.GetGroupRequest(group_id=owned_group(1, 3)))
+        assert details_of(caught.value).reason == "GROUP_NOT_FOUND"
+    finally:
+        await stop_harness(s1)
+
+
+@pytest.mark.slow
+async def test_a_shard_restarted_in_place_after_kill_9_takes_its_index_back_at_once(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    from tests.shards._cluster import ShardProcess
+
+    shard = ShardProcess(
+        tmp_path / "s0",
+        *("--shard", "0/2", "--nats-url", nats_server.url, "--state-dir", str(tmp_path / "st")),
+    )
+    await asyncio.to_thread(shard.start)
+    nc = await nats.connect(nats_server.url)
+    try:
+        kv = await nc.jetstream().key_value(SHARDS_BUCKET)
+        first = json.loads((await kv.get("shard-0")).value)
+        shard.kill9()
+        started = time.monotonic()
+        await asyncio.to_thread(shard.start)  # same port, same journal
+        assert time.monotonic() - started < 5  # no wait for the dead entry to expire
+        second = json.loads((await kv.get("shard-0")).value)
+        assert second["instance"] != first["instance"]
+        assert (second["address"], second["journal"]) == (first["address"], first["journal"])
+    finally:
+        await nc.close()
+        shard.stop()
+
+
+@pytest.mark.slow
+async def test_an_entry_left_by_a_dead_process_elsewhere_is_taken_over(
+    nats_server: NatsServer,
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    s0 = await start_shard(nats_server.url, 0, 2)  # makes the buckets
+    try:
+        kv = await nc.jetstream().key_value(SHARDS_BUCKET)
+        dead = {
+            "index": 1, "count": 2, "address": "10.9.9.9:1", "started_at": time.time(),
+            "instance": "deadbeef", "journal": "mem-x",
+        }  # fmt: skip
+        await kv.put("shard-1", json.dumps(dead).encode())
+        started = time.monotonic()
+        s1 = await start_shard(nats_server.url, 1, 2)
+        waited = time.monotonic() - started
+        await stop_harness(s1)
+        assert TAKEOVER_S - 1 <= waited < TAKEOVER_S + 5
+    finally:
+        await nc.close()
+        await stop_harness(s0)
+
+
+async def test_a_serving_shard_whose_index_is_taken_refuses_group_calls(
+    nats_server: NatsServer,
+) -> None:
+    s1 = await start_shard(nats_server.url, 1, 2)
+    nc = await nats.connect(nats_server.url)
+    try:
+        kv = await nc.jetstream().key_value(SHARDS_BUCKET)
+        other = {
+            "index": 1, "count": 2, "address": "10.9.9.8:1", "started_at": time.time(),
+            "instance": "0123abcd", "journal": "j-other",
+        }  # fmt: skip
+        await kv.put("shard-1", json.dumps(other).encode())
+
+        async def displaced() -> bool:
+            return s1.server.shards.registry.displaced is not None
+
+        await eventually(displaced, 10)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await s1.sessions.GetGroup(spb.GetGroupRequest(group_id=owned_group(1, 2)))
+        details = details_of(caught.value)
+        assert (details.code, details.reason) == (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "DUPLICATE_SHARD",
+        )
+        assert details.metadata["other_instance"] == "0123abcd"
+        assert "instance 0123abcd at 10.9.9.8:1" in details.message
+    finally:
+        await nc.close()
+        await stop_harness(s1)
+        # Its stop leaves the other process's entry in place.
+        check = await nats.connect(nats_server.url)
+        kv = await check.jetstream().key_value(SHARDS_BUCKET)
+        assert json.loads((await kv.get("shard-1")).value)["instance"] == "0123abcd"
+        await check.close()
+
+
+def test_nats_max_payload_below_the_largest_result_refuses_to_start(tmp_path: Path) -> None:
+    server = NatsServer(tmp_path / "nats", config="max_payload: 65536\n")
+    server.workdir.mkdir()
+    server.start()
+    try:
+        process = RouterProcess(tmp_path, "--in-memory", "--shard", "0/2", "--nats-url", server.url)
+        code, log = process.exits()
+    finally:
+        server.stop()
+    assert code == 2
+    (error,) = [line for line in log.splitlines() if line.startswith("sessionrouter: error:")]
+    assert "takes messages of at most 65536 bytes (max_payload)" in error
+    assert f"largest group result is {largest_payload()} bytes" in error
+
+
+def test_the_largest_payload_bounds_the_largest_result_on_the_wire() -> None:
+    """A result of the largest group with replacements, every id at its longest, every
+    number at its widest: its message fits ``largest_payload``."""
+    group = "g" * ID_MAX_LEN
+    names = [f"groups/{group}/sessions/{i}" for i in range(2 * MAX_GROUP_SIZE)]
+    counted = names[:MAX_GROUP_SIZE]
+    message = pb.GroupResult(
+        cursor=2**64 - 1,
+        group_id=group,
+        task_id="t" * ID_MAX_LEN,
+        outcome=pb.GROUP_OUTCOME_PARTIAL,
+        group_size=MAX_GROUP_SIZE,
+        sessions=counted,
+        rewards=[-1.5e300] * len(counted),
+        advantages=[-1.5e300] * len(counted),
+        filter_metrics=[-1.5e300] * len(counted),
+        mean=1.0,
+        std=1.0,
+        estimator=pb.EstimatorConfig(name="grpo", eps=1e-6, ddof=1, batch_std=True),
+        degenerate=True,
+        excluded_sessions=names[MAX_GROUP_SIZE:],
+        replaced_sessions=names[MAX_GROUP_SIZE:],
+        min_version=2**63 - 1,
+        max_version=2**63 - 1,
+        trainer_version=2**63 - 1,
+        admitted_trainer_version=2**63 - 1,
+        shard=MAX_SHARDS - 1,
+    )
+    message.finalize_time.GetCurrentTime()
+    headers = len(f"{CURSOR_HEADER}: {2**63}\r\n{EPOCH_HEADER}: {'x' * 40}\r\n") + 200
+    assert message.ByteSize() + headers <= largest_payload()

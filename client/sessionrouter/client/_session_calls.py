@@ -220,10 +220,9 @@ class SessionCalls(UnaryCalls):
             request.policy.batch_size = policy.batch_size
         if refuse_mixed_versions is not None:
             request.refuse_mixed_versions = refuse_mixed_versions
-        # Each shard admits its own groups, so each needs the trainer's state.
-        (response, *_) = await self._broadcast(
-            lambda s: s.sessions.SetTrainerState, request, timeout
-        )
+        # Sharded routers share one trainer state through NATS: any one shard writes it for
+        # all (sending it to each would repeat a counter reset).
+        response = await self._unary(lambda s: s.sessions.SetTrainerState, request, timeout)
         return _convert.trainer_state_from_proto(response.state)
 
     async def set_trainer_version(

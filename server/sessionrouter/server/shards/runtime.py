@@ -54,7 +54,8 @@ class ShardRuntime:
         self.ownership = Ownership(config.shard, self._address_of)
         self.pool = PoolMirror(router, self.link, config.shard)
         self.pool.keep_static(static_workers)
-        self.publisher = FeedPublisher(router.feed, self.link, config.shard, feed_epoch(state_dir))
+        self._state_dir = state_dir
+        self.publisher = FeedPublisher(router.feed, self.link, config.shard, feed_epoch(None))
         self.admission = FleetAdmission(router, self.link, config.shard, config.lease_chunk)
         self._tasks: list[asyncio.Task[None]] = []
         self._collector: ShardCollector | None = None
@@ -75,6 +76,8 @@ class ShardRuntime:
     async def start(self, address: str) -> None:
         """Connects, checks the registry and starts the loops (ShardStartError: exit 2)."""
         settings = self.router.settings
+        # Read now: a first start made the journal (and its identity) after __init__.
+        self.publisher.epoch = feed_epoch(self._state_dir)
         await self.link.connect()
         try:
             self.check_max_payload()
