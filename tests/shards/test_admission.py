@@ -18,7 +18,9 @@ import nats
 import pytest
 
 from sessionrouter.client.shardmap import shard_of
-from sessionrouter.server.shards.admission import STATE_KEY, TRAINER_BUCKET, FleetState
+from sessionrouter.server.shards.admission import STATE_KEY, FleetState
+from sessionrouter.server.shards.link import TRAINER_BUCKET
+from sessionrouter.v1 import resources_pb2 as pb
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
 from tests.support import details_of
@@ -28,6 +30,10 @@ from ._cluster import Cluster
 N = 3
 CHUNK = 2
 pytestmark = pytest.mark.slow
+
+
+def policy(max_staleness: int, batch_size: int) -> pb.StalenessPolicy:
+    return pb.StalenessPolicy(max_staleness=max_staleness, batch_size=batch_size)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +54,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 @pytest.fixture
-async def stubs(cluster: Cluster) -> AsyncIterator[list[spb_grpc.SessionServiceStub]]:
+async def stubs(cluster: Cluster) -> AsyncIterator[list[spb_grpc.SessionServiceAsyncStub]]:
     channels = [grpc.aio.insecure_channel(a) for a in cluster.addresses]
     try:
         yield [spb_grpc.SessionServiceStub(c) for c in channels]
@@ -64,7 +70,9 @@ def group_on(shard: int) -> str:
             return group
 
 
-async def start(stub: spb_grpc.SessionServiceStub, shard: int, wait: bool = False) -> str | None:
+async def start(
+    stub: spb_grpc.SessionServiceAsyncStub, shard: int, wait: bool = False
+) -> str | None:
     """Starts a group of one on ``shard``: its id, or None when refused for staleness."""
     group = group_on(shard)
     try:
@@ -95,14 +103,14 @@ async def fleet_state(cluster: Cluster) -> FleetState:
         await nc.close()
 
 
-async def in_flight(stubs: list[spb_grpc.SessionServiceStub]) -> list[int]:
+async def in_flight(stubs: list[spb_grpc.SessionServiceAsyncStub]) -> list[int]:
     states = [
         (await s.GetTrainerState(spb.GetTrainerStateRequest(), timeout=10)).state for s in stubs
     ]
     return [s.groups_started - s.groups_dropped for s in states]
 
 
-async def fill(stubs: list[spb_grpc.SessionServiceStub], limit: int) -> list[str]:
+async def fill(stubs: list[spb_grpc.SessionServiceAsyncStub], limit: int) -> list[str]:
     """Starts groups on every shard until the fleet is at ``limit`` (the unused slots of
     idle shards come back within seconds), never beyond it."""
     admitted: list[str] = []
@@ -117,13 +125,11 @@ async def fill(stubs: list[spb_grpc.SessionServiceStub], limit: int) -> list[str
 
 
 async def test_the_bound_is_exact_across_shards(
-    cluster: Cluster, stubs: list[spb_grpc.SessionServiceStub]
+    cluster: Cluster, stubs: list[spb_grpc.SessionServiceAsyncStub]
 ) -> None:
     # k = 1, B = 2 at version 0: limit 4 for the whole fleet, set through one shard only.
     reply = await stubs[1].SetTrainerState(
-        spb.SetTrainerStateRequest(
-            version=0, policy={"max_staleness": 1, "batch_size": 2}, reset_counters=True
-        ),
+        spb.SetTrainerStateRequest(version=0, policy=policy(1, 2), reset_counters=True),
         timeout=10,
     )
     assert reply.state.admission_limit == 4
@@ -180,11 +186,13 @@ async def test_the_bound_is_exact_across_shards(
 
 
 async def test_a_killed_shard_comes_back_with_its_lease_reconciled(
-    cluster: Cluster, stubs: list[spb_grpc.SessionServiceStub]
+    cluster: Cluster, stubs: list[spb_grpc.SessionServiceAsyncStub]
 ) -> None:
     await stubs[0].SetTrainerState(
         spb.SetTrainerStateRequest(
-            version=10, policy={"max_staleness": 0, "batch_size": 4}, reset_counters=True
+            version=10,
+            policy=policy(0, 4),
+            reset_counters=True,
         ),
         timeout=10,
     )

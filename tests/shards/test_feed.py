@@ -4,7 +4,6 @@ stream's), the same from any shard, resumable, with the filters of a single rout
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -25,16 +24,6 @@ from tests.shards.support import (
 from tests.support import Harness, details_of, stop_harness
 
 WORKERS = tuple(WorkerSpec(f"w{i}", f"10.0.0.{i}:30000", 64) for i in range(4))
-
-
-@pytest.fixture
-async def shards(nats_server: NatsServer) -> AsyncIterator[list[Harness]]:
-    started = [await start_shard(nats_server.url, i, 3, workers=WORKERS) for i in range(3)]
-    try:
-        yield started
-    finally:
-        for h in started:
-            await stop_harness(h)
 
 
 async def _published(shards: list[Harness]) -> None:

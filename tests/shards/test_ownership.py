@@ -4,7 +4,6 @@ header that disagrees with the request, and the ids a shard mints."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -13,21 +12,10 @@ from sessionrouter.client.shardmap import shard_of
 from sessionrouter.server.app import WorkerSpec
 from sessionrouter.v1 import resources_pb2 as pb
 from sessionrouter.v1 import session_service_pb2 as spb
-from tests.shards.support import NatsServer, owned_group, start_shard
-from tests.support import Harness, details_of, stop_harness
+from tests.shards.support import owned_group
+from tests.support import Harness, details_of
 
 WORKERS = tuple(WorkerSpec(f"w{i}", f"10.0.0.{i}:30000", 64) for i in range(4))
-
-
-@pytest.fixture
-async def shards(nats_server: NatsServer) -> AsyncIterator[list[Harness]]:
-    """Shards 0/3, 1/3 and 2/3, each given the same static workers."""
-    started = [await start_shard(nats_server.url, i, 3, workers=WORKERS) for i in range(3)]
-    try:
-        yield started
-    finally:
-        for h in started:
-            await stop_harness(h)
 
 
 async def _refused(call: object) -> grpc.aio.AioRpcError:

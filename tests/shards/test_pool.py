@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -17,16 +16,6 @@ from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import worker_service_pb2 as wpb
 from tests.shards.support import NatsServer, eventually, start_shard
 from tests.support import Harness, details_of, stop_harness
-
-
-@pytest.fixture
-async def shards(nats_server: NatsServer) -> AsyncIterator[list[Harness]]:
-    started = [await start_shard(nats_server.url, i, 3) for i in range(3)]
-    try:
-        yield started
-    finally:
-        for h in started:
-            await stop_harness(h)
 
 
 def test_shares_add_up_to_the_capacity() -> None:

@@ -175,12 +175,12 @@ async def test_a_shard_restarted_in_place_after_kill_9_takes_its_index_back_at_o
     nc = await nats.connect(nats_server.url)
     try:
         kv = await nc.jetstream().key_value(SHARDS_BUCKET)
-        first = json.loads((await kv.get("shard-0")).value)
+        first = json.loads((await kv.get("shard-0")).value or b"")
         shard.kill9()
         started = time.monotonic()
         await asyncio.to_thread(shard.start)  # same port, same journal
         assert time.monotonic() - started < 5  # no wait for the dead entry to expire
-        second = json.loads((await kv.get("shard-0")).value)
+        second = json.loads((await kv.get("shard-0")).value or b"")
         assert second["instance"] != first["instance"]
         assert (second["address"], second["journal"]) == (first["address"], first["journal"])
     finally:
@@ -243,7 +243,7 @@ async def test_a_serving_shard_whose_index_is_taken_refuses_group_calls(
         # Its stop leaves the other process's entry in place.
         check = await nats.connect(nats_server.url)
         kv = await check.jetstream().key_value(SHARDS_BUCKET)
-        assert json.loads((await kv.get("shard-1")).value)["instance"] == "0123abcd"
+        assert json.loads((await kv.get("shard-1")).value or b"")["instance"] == "0123abcd"
         await check.close()
 
 

@@ -4,30 +4,22 @@ NATS down a shard admits only within the slots it holds and SetTrainerState is U
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import grpc
 import pytest
 
 from sessionrouter.client import SessionRouterClient, StalenessPolicy
 from sessionrouter.server.app import WorkerSpec
+from sessionrouter.v1 import resources_pb2 as pb
 from sessionrouter.v1 import session_service_pb2 as spb
-from tests.shards.support import NatsServer, eventually, owned_group, start_shard
-from tests.support import Harness, details_of, stop_harness
+from tests.shards.support import NatsServer, eventually, owned_group
+from tests.support import Harness, details_of
 
 WORKERS = (WorkerSpec("w0", "10.0.0.1:1", 300),)
+LEASE_CHUNK = 2
 
 
-@pytest.fixture
-async def shards(nats_server: NatsServer) -> AsyncIterator[list[Harness]]:
-    started = [
-        await start_shard(nats_server.url, i, 3, workers=WORKERS, lease_chunk=2) for i in range(3)
-    ]
-    try:
-        yield started
-    finally:
-        for h in started:
-            await stop_harness(h)
+def policy(max_staleness: int, batch_size: int) -> pb.StalenessPolicy:
+    return pb.StalenessPolicy(max_staleness=max_staleness, batch_size=batch_size)
 
 
 def states(shards: list[Harness]) -> list[tuple[int, int, int]]:
@@ -56,7 +48,7 @@ async def test_one_call_on_one_shard_sets_every_shard(shards: list[Harness]) -> 
 
 async def test_bad_trainer_state_is_refused_and_changes_nothing(shards: list[Harness]) -> None:
     await shards[0].sessions.SetTrainerState(
-        spb.SetTrainerStateRequest(version=5, policy={"max_staleness": 0, "batch_size": 2})
+        spb.SetTrainerStateRequest(version=5, policy=policy(0, 2))
     )
 
     async def applied() -> bool:
@@ -66,7 +58,7 @@ async def test_bad_trainer_state_is_refused_and_changes_nothing(shards: list[Har
     before = states(shards)
     bad = [
         (  # B = 0
-            spb.SetTrainerStateRequest(version=6, policy={"max_staleness": 0, "batch_size": 0}),
+            spb.SetTrainerStateRequest(version=6, policy=policy(0, 0)),
             grpc.StatusCode.INVALID_ARGUMENT,
             "INVALID_STALENESS_POLICY",
         ),
@@ -77,7 +69,9 @@ async def test_bad_trainer_state_is_refused_and_changes_nothing(shards: list[Har
         ),
         (  # contradictory
             spb.SetTrainerStateRequest(
-                version=6, clear_policy=True, policy={"max_staleness": 0, "batch_size": 2}
+                version=6,
+                clear_policy=True,
+                policy=policy(0, 2),
             ),
             grpc.StatusCode.INVALID_ARGUMENT,
             "INVALID_STALENESS_POLICY",
@@ -103,9 +97,7 @@ async def test_with_nats_down_a_shard_admits_only_within_its_lease(
     nats_server: NatsServer, shards: list[Harness]
 ) -> None:
     s0 = shards[0]
-    await s0.sessions.SetTrainerState(
-        spb.SetTrainerStateRequest(version=0, policy={"max_staleness": 0, "batch_size": 30})
-    )
+    await s0.sessions.SetTrainerState(spb.SetTrainerStateRequest(version=0, policy=policy(0, 30)))
 
     async def applied() -> bool:
         return {s[1] for s in states(shards)} == {30}
@@ -141,7 +133,7 @@ async def test_with_nats_down_a_shard_admits_only_within_its_lease(
     nats_server.restart()
 
     async def back() -> bool:
-        return s0.server.shards.link.connected and s0.server.shards.admission.revision > 0
+        return bool(s0.server.shards.link.connected and s0.server.shards.admission.revision > 0)
 
     await eventually(back, 30)
     await start(3)  # leases again

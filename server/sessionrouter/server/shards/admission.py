@@ -163,6 +163,12 @@ class FleetAdmission:
         entry changes)."""
         self._last_request = time.monotonic()
         self._kick = asyncio.Event()
+        self._writing = asyncio.Lock()
+        """Serializes this shard's own lease writes (a grant and a return never interleave)."""
+        self._capped: int | None = None
+        """While a return is being written: the lease it writes, which caps the local lease
+        so that no start is admitted beyond it meanwhile (the written lease must never be
+        below the groups in flight)."""
         self.requests = 0
         """Lease requests sent (CAS round trips that added slots or found none)."""
 
@@ -275,7 +281,8 @@ class FleetAdmission:
 
         before = self.router.trainer.lease or 0
         try:
-            await self._cas(grow)
+            async with self._writing:
+                await self._cas(grow)
         except Exception as exc:
             log.warning("admission lease not extended", extra={"error": repr(exc)})
             return False
@@ -283,17 +290,29 @@ class FleetAdmission:
             self._blocked_at = self.revision
         return (self.router.trainer.lease or 0) > before or not full
 
-    async def _set_lease(self, slots: int) -> None:
-        """Sets this shard's lease to ``slots`` (returning what it held beyond them)."""
+    async def _return_unused(self) -> None:
+        """Sets this shard's lease to its groups in flight, returning the rest. The local
+        lease is capped first, so the value written is never below what is in flight."""
         me = self.shard.index
-        epoch = self.router.trainer.epoch
+        async with self._writing:
+            gate = self.router.trainer
+            if gate.lease is None or gate.lease <= gate.in_flight:
+                return
+            slots = gate.in_flight
+            epoch = gate.epoch
+            self._capped = gate.lease = slots
 
-        def change(state: FleetState | None) -> FleetState | None:
-            if state is None or state.epoch != epoch or state.leases.get(me, 0) == slots:
-                return None
-            return replace(state, leases={**state.leases, me: slots})
+            def change(state: FleetState | None) -> FleetState | None:
+                if state is None or state.epoch != epoch or state.leases.get(me, 0) == slots:
+                    return None
+                return replace(state, leases={**state.leases, me: slots})
 
-        await self._cas(change)
+            try:
+                await self._cas(change)
+            finally:
+                # Written or not, the entry is the truth again: unwritten, the fleet still
+                # counts the larger lease for this shard, so using it stays within the limit.
+                self._capped = None
 
     # -- the watch -------------------------------------------------------------------------
 
@@ -306,6 +325,8 @@ class FleetAdmission:
         gate = self.router.trainer
         same_epoch = state.epoch == gate.epoch
         lease = state.leases.get(self.shard.index, 0)
+        if self._capped is not None:
+            lease = min(lease, self._capped)
         gate.adopt(state.version, state.policy, state.refuse_mixed_versions, state.epoch, lease)
         if not same_epoch:
             log.info(
@@ -374,4 +395,4 @@ class FleetAdmission:
         busy = self._request is not None and not self._request.done()
         if idle_only and (busy or not (peer_short or idle)):
             return
-        await self._set_lease(gate.in_flight)
+        await self._return_unused()
