@@ -64,6 +64,8 @@ IDLE_S = 2.0
 """A shard that asked for no slot this long returns its unused ones."""
 SHORT_S = 5.0
 """How long a shard's "short" mark makes the others return their unused slots."""
+LEASE_TIMEOUT_S = 5.0
+"""A lease request gives up after this long (its starts are then refused STALENESS_LIMIT)."""
 CAS_TRIES = 50
 """Compare-and-set attempts of one write before it gives up (contention among N shards)."""
 
@@ -282,7 +284,7 @@ class FleetAdmission:
         before = self.router.trainer.lease or 0
         try:
             async with self._writing:
-                await self._cas(grow)
+                await asyncio.wait_for(self._cas(grow), LEASE_TIMEOUT_S)
         except Exception as exc:
             log.warning("admission lease not extended", extra={"error": repr(exc)})
             return False
