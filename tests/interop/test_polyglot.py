@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from sessionrouter.client.shardmap import shard_of
-from tests.shards._cluster import Cluster
+from tests.shards._cluster import Cluster, running
 
 from ._server import REPO_ROOT, running_server
 from ._toolchain import make, require_tools
@@ -72,13 +72,8 @@ def test_client_runs_the_scenario_against_the_router(language: str) -> None:
 @pytest.fixture(scope="module")
 def shard_map(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """3 shards with NATS, and nginx hashing x-group-id over them on a TCP port."""
-    cluster = Cluster(tmp_path_factory.mktemp("interop-shards"), 3, nginx_tcp=True)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
-        print(cluster.logs())
+    with running(Cluster(tmp_path_factory.mktemp("interop-shards"), 3, nginx_tcp=True)) as c:
+        yield c
 
 
 @pytest.mark.interop

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from sessionrouter.client.nginx_shard_map import full_config
@@ -288,3 +288,15 @@ class Cluster:
             f"--- nginx ---\n{self.nginx.error_log()}",
         ]
         return "\n".join(parts)
+
+
+@contextlib.contextmanager
+def running(cluster: Cluster) -> Iterator[Cluster]:
+    """Starts ``cluster``, yields it, and stops it, printing its logs (pytest shows them
+    with a failure)."""
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        print(cluster.logs())

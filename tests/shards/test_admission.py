@@ -25,7 +25,7 @@ from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
 from tests.support import details_of
 
-from ._cluster import Cluster
+from ._cluster import Cluster, running
 
 N = 3
 CHUNK = 2
@@ -38,19 +38,16 @@ def policy(max_staleness: int, batch_size: int) -> pb.StalenessPolicy:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(
-        tmp_path_factory.mktemp("admission"),
-        N,
-        "--worker=base=10.9.0.1:1,1000",
-        "--admission-lease-chunk",
-        str(CHUNK),
-    )
-    try:
-        c.start()
+    with running(
+        Cluster(
+            tmp_path_factory.mktemp("admission"),
+            N,
+            "--worker=base=10.9.0.1:1,1000",
+            "--admission-lease-chunk",
+            str(CHUNK),
+        )
+    ) as c:
         yield c
-    finally:
-        c.stop()
-        print(c.logs())
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
 from tests.support import details_of
 
-from ._cluster import Cluster
+from ._cluster import Cluster, running
 
 N = 3
 ONE_TRY = RetryPolicy(max_attempts=1)
@@ -41,13 +41,10 @@ ONE_TRY = RetryPolicy(max_attempts=1)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("cluster"), N, "--worker=base=10.9.0.1:1,1000")
-    try:
-        c.start()
+    with running(
+        Cluster(tmp_path_factory.mktemp("cluster"), N, "--worker=base=10.9.0.1:1,1000")
+    ) as c:
         yield c
-    finally:
-        c.stop()
-        print(c.logs())
 
 
 @pytest.fixture

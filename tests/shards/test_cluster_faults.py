@@ -34,7 +34,7 @@ from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
 from tests.support import details_of
 
-from ._cluster import Cluster
+from ._cluster import Cluster, running
 
 N = 3
 ONE_TRY = RetryPolicy(max_attempts=1)
@@ -45,13 +45,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 @pytest.fixture
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("faults"), N, *STATIC_WORKERS)
-    try:
-        c.start()
+    with running(Cluster(tmp_path_factory.mktemp("faults"), N, *STATIC_WORKERS)) as c:
         yield c
-    finally:
-        c.stop()
-        print(c.logs())
 
 
 def ids_of_shard(prefix: str, shard: int) -> Iterator[str]:

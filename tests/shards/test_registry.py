@@ -21,12 +21,18 @@ from sessionrouter.server.core.router import RouterSettings
 from sessionrouter.server.core.validation import ID_MAX_LEN, MAX_GROUP_SIZE
 from sessionrouter.server.shards.link import SHARDS_BUCKET, ShardStartError
 from sessionrouter.server.shards.publisher import CURSOR_HEADER, EPOCH_HEADER, largest_payload
-from sessionrouter.server.shards.registry import TAKEOVER_S
+from sessionrouter.server.shards.registry import TAKEOVER_S, ShardEntry
 from sessionrouter.v1 import resources_pb2 as pb
 from sessionrouter.v1 import session_service_pb2 as spb
 from tests.router_process import RouterProcess
 from tests.shards.support import NatsServer, eventually, owned_group, start_shard
 from tests.support import details_of, stop_harness
+
+
+def other_entry(index: int, count: int, address: str, instance: str = "") -> bytes:
+    """A registry entry of another process (as written by a shard), for the KV bucket."""
+    entry = ShardEntry(index, count, address, time.time(), instance, f"j-{instance}")
+    return entry.encode()
 
 
 @pytest.mark.slow
@@ -93,8 +99,7 @@ async def test_a_count_mismatch_seen_while_serving_refuses_group_calls(
     try:
         group = owned_group(0, 2)
         kv = await nc.jetstream().key_value(SHARDS_BUCKET)
-        entry = {"index": 4, "count": 5, "address": "10.9.9.9:1", "started_at": time.time()}
-        await kv.put("shard-4", json.dumps(entry).encode())
+        await kv.put("shard-4", other_entry(4, 5, "10.9.9.9:1"))
 
         async def mismatch_seen() -> bool:
             return bool(s0.server.shards.registry.mismatched)
@@ -196,11 +201,7 @@ async def test_an_entry_left_by_a_dead_process_elsewhere_is_taken_over(
     s0 = await start_shard(nats_server.url, 0, 2)  # makes the buckets
     try:
         kv = await nc.jetstream().key_value(SHARDS_BUCKET)
-        dead = {
-            "index": 1, "count": 2, "address": "10.9.9.9:1", "started_at": time.time(),
-            "instance": "deadbeef", "journal": "mem-x",
-        }  # fmt: skip
-        await kv.put("shard-1", json.dumps(dead).encode())
+        await kv.put("shard-1", other_entry(1, 2, "10.9.9.9:1", "deadbeef"))
         started = time.monotonic()
         s1 = await start_shard(nats_server.url, 1, 2)
         waited = time.monotonic() - started
@@ -218,11 +219,7 @@ async def test_a_serving_shard_whose_index_is_taken_refuses_group_calls(
     nc = await nats.connect(nats_server.url)
     try:
         kv = await nc.jetstream().key_value(SHARDS_BUCKET)
-        other = {
-            "index": 1, "count": 2, "address": "10.9.9.8:1", "started_at": time.time(),
-            "instance": "0123abcd", "journal": "j-other",
-        }  # fmt: skip
-        await kv.put("shard-1", json.dumps(other).encode())
+        await kv.put("shard-1", other_entry(1, 2, "10.9.9.8:1", "0123abcd"))
 
         async def displaced() -> bool:
             return s1.server.shards.registry.displaced is not None

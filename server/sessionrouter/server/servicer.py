@@ -37,7 +37,7 @@ from sessionrouter.server.core.results import (
 from sessionrouter.server.core.rewards import RewardBatch
 from sessionrouter.server.core.router import SessionRouter
 from sessionrouter.server.core.sizes import MESSAGE_BUDGET_BYTES
-from sessionrouter.server.core.staleness import AdmissionPending
+from sessionrouter.server.core.staleness import AdmissionPending, TrainerStateChange
 from sessionrouter.server.core.streams import (
     Commit,
     MemberReplaced,
@@ -766,20 +766,33 @@ class SessionServicer(_Refusing, spb_grpc.SessionServiceServicer):
         context: grpc.aio.ServicerContext[object, object],
     ) -> spb.SetTrainerStateResponse:
         try:
-            self._router.set_trainer_state(
-                request.version,
-                convert.policy_from_proto(request),
-                clear_policy=request.clear_policy,
-                reset_counters=request.reset_counters,
-                refuse_mixed_versions=request.refuse_mixed_versions
-                if request.HasField("refuse_mixed_versions")
-                else None,
+            await self._set_trainer_state(
+                TrainerStateChange(
+                    request.version,
+                    convert.policy_from_proto(request),
+                    clear_policy=request.clear_policy,
+                    reset_counters=request.reset_counters,
+                    refuse_mixed_versions=request.refuse_mixed_versions
+                    if request.HasField("refuse_mixed_versions")
+                    else None,
+                )
             )
         except RouterError as error:
             await self._abort(context, error)
         reply = spb.SetTrainerStateResponse(state=convert.trainer_state_to_proto(self._router))
         await self._durable(context)
         return reply
+
+    async def _set_trainer_state(self, change: TrainerStateChange) -> None:
+        """Where a SetTrainerState goes: this router's state (a shard overrides it to write
+        the fleet's)."""
+        self._router.set_trainer_state(
+            change.version,
+            change.policy,
+            clear_policy=change.clear_policy,
+            reset_counters=change.reset_counters,
+            refuse_mixed_versions=change.refuse_mixed_versions,
+        )
 
     async def GetTrainerState(
         self,

@@ -96,6 +96,28 @@ class StalenessPolicy:
             )
 
 
+@dataclass(frozen=True, slots=True)
+class TrainerStateChange:
+    """One SetTrainerState request, as the core takes it (``refuse_mixed_versions`` None:
+    unchanged)."""
+
+    version: int
+    policy: StalenessPolicy | None = None
+    clear_policy: bool = False
+    reset_counters: bool = False
+    refuse_mixed_versions: bool | None = None
+
+    def apply_to(self, gate: StalenessGate) -> None:
+        """``gate.set_state`` with this request: all checks first, a refusal changes nothing."""
+        gate.set_state(
+            self.version,
+            self.policy,
+            self.clear_policy,
+            self.reset_counters,
+            self.refuse_mixed_versions,
+        )
+
+
 @dataclass(slots=True)
 class StalenessGate:
     """The trainer's state and the admission counters. Mutated only by the router."""

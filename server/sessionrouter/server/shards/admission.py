@@ -18,9 +18,11 @@ the start asks for a chunk (``FleetAdmission.more``): one CAS round trip that ad
 spread over the shards instead of going to the first to ask. Concurrent starts share one
 request. When nothing is free, the shard marks itself short in the entry (with the time) and
 refuses with STALENESS_LIMIT; shards holding unused slots return them as soon as they see a
-short peer, and every shard returns its unused slots after ``IDLE_S`` without a request and on
-stop. A dropped group reopens a slot in its shard's lease (``in_flight`` falls, the lease does
-not); a higher trainer version grows ``L``, and the next start on any shard leases from it.
+short peer (unless they asked for slots in the last ``RETURN_GRACE_S``: their own starts are
+about to take them), and every shard returns its unused slots after ``IDLE_S`` without a
+request and on stop. A dropped group reopens a slot in its shard's lease (``in_flight``
+falls, the lease does not); a higher trainer version grows ``L``, and the next start on any
+shard leases from it.
 
 **What the chunk costs.** Up to ``chunk`` unused slots per shard are held where they were
 leased, so a start on one shard can be refused while at most ``(N - 1) * chunk`` slots sit
@@ -52,7 +54,11 @@ from typing import Any
 
 from sessionrouter.server.core.errors import RouterError
 from sessionrouter.server.core.router import SessionRouter
-from sessionrouter.server.core.staleness import StalenessGate, StalenessPolicy
+from sessionrouter.server.core.staleness import (
+    StalenessGate,
+    StalenessPolicy,
+    TrainerStateChange,
+)
 from sessionrouter.server.shards.identity import DEFAULT_LEASE_CHUNK, ShardIdentity
 from sessionrouter.server.shards.link import TRAINER_BUCKET, NatsLink, stop_watch
 from sessionrouter.server.shards.pool import nats_unavailable
@@ -62,6 +68,9 @@ log = logging.getLogger("sessionrouter.shards")
 STATE_KEY = "state"
 IDLE_S = 2.0
 """A shard that asked for no slot this long returns its unused ones."""
+RETURN_GRACE_S = 0.5
+"""A shard keeps slots it asked for this recently even when a peer is short: the starts that
+asked are about to take them."""
 SHORT_S = 5.0
 """How long a shard's "short" mark makes the others return their unused slots."""
 LEASE_TIMEOUT_S = 5.0
@@ -222,21 +231,14 @@ class FleetAdmission:
             return True
         raise nats_unavailable("the trainer state (too much contention)")
 
-    async def set_state(
-        self,
-        version: int,
-        policy: StalenessPolicy | None,
-        clear_policy: bool,
-        reset_counters: bool,
-        refuse_mixed_versions: bool | None,
-    ) -> None:
+    async def set_state(self, change: TrainerStateChange) -> None:
         """SetTrainerState on any shard: checked as on one router against the fleet's
         state, written by CAS, applied here at once and on the other shards by their watch.
         A refusal changes nothing; NATS down is UNAVAILABLE NATS_UNAVAILABLE."""
         if not self.link.connected or self._kv is None:
             raise nats_unavailable("the trainer state")
 
-        def change(state: FleetState | None) -> FleetState:
+        def written(state: FleetState | None) -> FleetState:
             base = state or FleetState.of(self.router.trainer, {})
             gate = StalenessGate(
                 version=base.version,
@@ -244,13 +246,13 @@ class FleetAdmission:
                 refuse_mixed_versions=base.refuse_mixed_versions,
                 epoch=base.epoch,
             )
-            gate.set_state(version, policy, clear_policy, reset_counters, refuse_mixed_versions)
+            change.apply_to(gate)
             leases = base.leases if gate.epoch == base.epoch else {}
             short = base.short if gate.epoch == base.epoch else {}
             return replace(FleetState.of(gate, dict(leases)), short=dict(short))
 
         try:
-            await self._cas(change)
+            await self._cas(written)
         except RouterError:
             raise
         except Exception as exc:
@@ -288,6 +290,7 @@ class FleetAdmission:
         except Exception as exc:
             log.warning("admission lease not extended", extra={"error": repr(exc)})
             return False
+        self._last_request = time.monotonic()
         if full:
             self._blocked_at = self.revision
         return (self.router.trainer.lease or 0) > before or not full
@@ -393,8 +396,8 @@ class FleetAdmission:
         peer_short = any(
             k != self.shard.index and now - t < SHORT_S for k, t in state.short.items()
         )
-        idle = time.monotonic() - self._last_request >= IDLE_S
+        since = time.monotonic() - self._last_request
         busy = self._request is not None and not self._request.done()
-        if idle_only and (busy or not (peer_short or idle)):
+        if idle_only and (busy or since < RETURN_GRACE_S or not (peer_short or since >= IDLE_S)):
             return
         await self._return_unused()

@@ -3,19 +3,13 @@ written to the fleet's shared entry (``admission``) instead of to this shard alo
 
 from __future__ import annotations
 
-import grpc
-
-from sessionrouter.server import convert
-from sessionrouter.server.core.errors import RouterError
 from sessionrouter.server.core.router import SessionRouter
+from sessionrouter.server.core.staleness import TrainerStateChange
 from sessionrouter.server.core.streams import Commit, no_journal
 from sessionrouter.server.shards.admission import FleetAdmission
 from sessionrouter.server.shards.link import NatsLink
 from sessionrouter.server.shards.merged_feed import ShardedSessionServicer
 from sessionrouter.server.status import Refusals
-from sessionrouter.v1 import session_service_pb2 as spb
-
-Context = grpc.aio.ServicerContext[object, object]
 
 
 class FleetSessionServicer(ShardedSessionServicer):
@@ -32,21 +26,5 @@ class FleetSessionServicer(ShardedSessionServicer):
         super().__init__(router, link, commit, refusals)
         self._fleet = fleet
 
-    async def SetTrainerState(
-        self, request: spb.SetTrainerStateRequest, context: Context
-    ) -> spb.SetTrainerStateResponse:
-        try:
-            await self._fleet.set_state(
-                request.version,
-                convert.policy_from_proto(request),
-                clear_policy=request.clear_policy,
-                reset_counters=request.reset_counters,
-                refuse_mixed_versions=request.refuse_mixed_versions
-                if request.HasField("refuse_mixed_versions")
-                else None,
-            )
-        except RouterError as error:
-            await self._abort(context, error)
-        reply = spb.SetTrainerStateResponse(state=convert.trainer_state_to_proto(self._router))
-        await self._durable(context)
-        return reply
+    async def _set_trainer_state(self, change: TrainerStateChange) -> None:
+        await self._fleet.set_state(change)
