@@ -12,6 +12,7 @@ import pytest
 
 from sessionrouter.server.shards.identity import ShardIdentity
 from sessionrouter.server.shards.pool import share
+from sessionrouter.v1 import resources_pb2 as pb
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import worker_service_pb2 as wpb
 from tests.shards.support import NatsServer, eventually, start_shard
@@ -155,6 +156,8 @@ async def test_metrics_show_the_shard_pool_and_feed(nats_server: NatsServer) -> 
         await h.workers.RegisterWorker(
             wpb.RegisterWorkerRequest(worker_id="w", address="10.0.0.1:30000", capacity=6)
         )
+        policy = pb.StalenessPolicy(max_staleness=0, batch_size=100)  # limit 100
+        await h.sessions.SetTrainerState(spb.SetTrainerStateRequest(version=0, policy=policy))
         await h.sessions.StartSession(spb.StartSessionRequest(task_id="t", group_size=2))
         h.server.shards.tick()
         url = f"http://127.0.0.1:{h.server.metrics_port}/metrics"
@@ -167,5 +170,8 @@ async def test_metrics_show_the_shard_pool_and_feed(nats_server: NatsServer) -> 
         assert "sessionrouter_shard_pool_capacity 6.0" in lines
         assert "sessionrouter_shard_pool_open_sessions 1.0" in lines
         assert "sessionrouter_shard_feed_backlog_groups 0.0" in lines
+        assert "sessionrouter_shard_admission_lease 16.0" in lines  # one default chunk
+        assert "sessionrouter_shard_admission_leased 16.0" in lines
+        assert "sessionrouter_shard_admission_lease_requests_total 1.0" in lines
     finally:
         await stop_harness(h)

@@ -56,6 +56,12 @@ def test_shard_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="expected INDEX/COUNT such as 0/3, got 'two'"):
         build_config({"shard": "two"})
     assert build_config({"in_memory": True}).shards is None
+    with pytest.raises(
+        ConfigError, match=r"shards\.admission_lease_chunk must be 1 to 1000000, got 0"
+    ):
+        build_config({"shard": "0/2", "nats_url": "nats://x:1", "admission_lease_chunk": 0})
+    chunked = build_config({"shard": "0/2", "nats_url": "nats://x:1", "admission_lease_chunk": 4})
+    assert chunked.shards is not None and chunked.shards.lease_chunk == 4
     config = build_config({"shard": "1/3", "nats_url": "nats://h:4222", "advertise": "h:1"})
     assert config.shards is not None
     assert (str(config.shards.shard), config.shards.nats_url, config.shards.advertise) == (

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from sessionrouter.server.shards.admission import FleetAdmission
 from sessionrouter.server.shards.pool import PoolMirror
 from sessionrouter.server.shards.publisher import FeedPublisher
 from sessionrouter.server.shards.registry import ShardRegistry
@@ -24,8 +25,10 @@ class ShardCollector(Collector):
         pool: PoolMirror,
         publisher: FeedPublisher,
         registry: Callable[[], ShardRegistry | None],
+        admission: FleetAdmission | None = None,
     ) -> None:
         """``registry`` gives the shard's registry once it joined (None before)."""
+        self._admission = admission
         self._pool = pool
         self._publisher = publisher
         self._registry = registry
@@ -90,6 +93,25 @@ class ShardCollector(Collector):
         )
         yield CounterMetricFamily(
             "sessionrouter_shard_feed_lost",
-            "Groups left out of the merged feed (evicted before publication, or too large)",
+            "Groups left out of the merged feed (evicted before their publication)",
             value=publisher.lost,
         )
+        admission = self._admission
+        if admission is not None:
+            lease = admission.router.trainer.lease
+            state = admission.state
+            yield GaugeMetricFamily(
+                "sessionrouter_shard_admission_lease",
+                "Staleness admission slots this shard holds of the fleet's limit",
+                value=lease or 0,
+            )
+            yield GaugeMetricFamily(
+                "sessionrouter_shard_admission_leased",
+                "Admission slots leased by all shards (at most the fleet's limit)",
+                value=sum(state.leases.values()) if state is not None else 0,
+            )
+            yield CounterMetricFamily(
+                "sessionrouter_shard_admission_lease_requests",
+                "Lease requests this shard sent to NATS (since start)",
+                value=admission.requests,
+            )

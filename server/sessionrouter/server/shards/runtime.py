@@ -159,7 +159,9 @@ class ShardRuntime:
 
     def collector(self) -> ShardCollector:
         """The shard's metrics (refreshed on every tick)."""
-        self._collector = ShardCollector(self.pool, self.publisher, lambda: self.registry)
+        self._collector = ShardCollector(
+            self.pool, self.publisher, lambda: self.registry, self.admission
+        )
         return self._collector
 
     def tick(self) -> None:
