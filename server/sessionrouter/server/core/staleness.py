@@ -33,9 +33,11 @@ from sessionrouter.server.core.validation import check_version
 
 MAX_BATCH_SIZE = 1_000_000
 MAX_STALENESS = 1_000_000
-LEASE_TRIES = 3
-"""Lease answers a start that found its shard's lease used up waits for, at most (other starts
-of the shard may take the slots an answer brought)."""
+LEASE_TRIES = 20
+"""Lease answers a start that found its shard's lease used up waits for, at most: each answer
+that grew the lease admitted someone (other starts of the shard may take the slots it
+brought), so more tries are progress; the bound only stops a source that keeps answering
+without slots."""
 
 _T = TypeVar("_T")
 

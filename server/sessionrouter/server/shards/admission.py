@@ -14,15 +14,15 @@ below ``sum(leases) <= L``: the single process's guarantee, across shards.
 
 **A start never waits on NATS while its shard's lease has room.** When the lease is used up,
 the start asks for a chunk (``FleetAdmission.more``): one CAS round trip that adds
-``min(chunk, free, ceil(free / N))`` slots (``free = L - sum(leases)``), so a small limit is
-spread over the shards instead of going to the first to ask. Concurrent starts share one
-request. When nothing is free, the shard marks itself short in the entry (with the time) and
-refuses with STALENESS_LIMIT; shards holding unused slots return them as soon as they see a
-short peer (unless they asked for slots in the last ``RETURN_GRACE_S``: their own starts are
-about to take them), and every shard returns its unused slots after ``IDLE_S`` without a
-request and on stop. A dropped group reopens a slot in its shard's lease (``in_flight``
-falls, the lease does not); a higher trainer version grows ``L``, and the next start on any
-shard leases from it.
+``min(max(chunk, asking), free, ceil(free / N))`` slots (``free = L - sum(leases)``, ``asking``
+the starts waiting for it), so a small limit is spread over the shards instead of going to the
+first to ask. Concurrent starts share one request. When nothing is free, the shard marks itself
+short in the entry (with the time) and refuses with STALENESS_LIMIT; shards holding unused slots
+return them as soon as they see a short peer (unless they asked for slots in the last
+``RETURN_GRACE_S``: their own starts are about to take them), and every shard returns its unused
+slots after ``IDLE_S`` without a request and on stop. A dropped group reopens a slot in its
+shard's lease (``in_flight`` falls, the lease does not); a higher trainer version grows ``L``,
+and the next start on any shard leases from it.
 
 **What the chunk costs.** Up to ``chunk`` unused slots per shard are held where they were
 leased, so a start on one shard can be refused while at most ``(N - 1) * chunk`` slots sit
@@ -180,6 +180,8 @@ class FleetAdmission:
         """While a return is being written: the lease it writes, which caps the local lease
         so that no start is admitted beyond it meanwhile (the written lease must never be
         below the groups in flight)."""
+        self._demand = 0
+        """Starts that asked for slots since the last grant: a grant covers them all."""
         self.requests = 0
         """Lease requests sent (CAS round trips that added slots or found none)."""
 
@@ -189,6 +191,7 @@ class FleetAdmission:
         """``LeaseSource.more``: one request shared by every start that finds the lease
         used up; a reason instead when none can succeed now."""
         self._last_request = time.monotonic()
+        self._demand += 1
         if not self.link.connected or self._kv is None:
             return "NATS is unreachable, so no more can be leased until it is back"
         if self._request is not None and not self._request.done():
@@ -278,7 +281,8 @@ class FleetAdmission:
                 if me in state.short and time.time() - state.short[me] < SHORT_S / 2:
                     return None
                 return replace(state, short={**state.short, me: time.time()})
-            grant = min(self.chunk, free, max(1, math.ceil(free / self.shard.count)))
+            wanted = max(self.chunk, self._demand)
+            grant = min(wanted, free, max(1, math.ceil(free / self.shard.count)))
             leases = {**state.leases, me: state.leases.get(me, 0) + grant}
             short = {k: v for k, v in state.short.items() if k != me}
             return replace(state, leases=leases, short=short)
@@ -291,6 +295,7 @@ class FleetAdmission:
             log.warning("admission lease not extended", extra={"error": repr(exc)})
             return False
         self._last_request = time.monotonic()
+        self._demand = 0
         if full:
             self._blocked_at = self.revision
         return (self.router.trainer.lease or 0) > before or not full
