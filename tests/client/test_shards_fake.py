@@ -251,19 +251,14 @@ def test_bad_layouts_are_refused() -> None:
         SessionRouterClient.connect("127.0.0.1:1", shard_count=0)
 
 
-async def test_trainer_state_goes_to_every_shard(
+async def test_trainer_state_goes_to_one_shard(
     fakes: list[FakeAioChannel], sharded: SessionRouterClient
 ) -> None:
-    """Each shard admits its own groups, so each needs the trainer's version."""
+    """The shards share one trainer state (NATS KV): one call, on the next shard in turn
+    (sending it to each would repeat a counter reset)."""
     reply = spb.SetTrainerStateResponse(state=rpb.TrainerState(version=7))
-
-    async def routers() -> list[int]:
-        versions = []
-        for fake in fakes:
-            _, request = await fake.reply("SetTrainerState", reply)
-            versions.append(request.version)
-        return versions
-
-    state, versions = await asyncio.gather(sharded.set_trainer_version(7), routers())
-    assert state.version == 7
-    assert versions == [7, 7, 7]
+    for turn in range(N):
+        state, (_, request) = await asyncio.gather(
+            sharded.set_trainer_version(7 + turn), fakes[turn].reply("SetTrainerState", reply)
+        )
+        assert (state.version, request.version) == (7, 7 + turn)

@@ -14,7 +14,11 @@ from sessionrouter.server.core.clock import ManualClock
 from sessionrouter.server.core.commands import StartGroupCommand
 from sessionrouter.server.core.errors import ResourceExhausted
 from sessionrouter.server.core.router import RouterSettings, SessionRouter
-from sessionrouter.server.core.staleness import AdmissionPending, StalenessPolicy
+from sessionrouter.server.core.staleness import (
+    LeasePendingError,
+    StalenessPolicy,
+    refused_while_pending,
+)
 
 SETTINGS = RouterSettings(deadline_s=10.0, min_members=1, reducer_window_s=0.0)
 
@@ -70,10 +74,10 @@ async def test_a_shard_admits_within_its_lease_without_asking() -> None:
     for _ in range(3):
         start(router)
     assert source.asked == 0
-    with pytest.raises(AdmissionPending) as caught:
+    with pytest.raises(LeasePendingError) as caught:
         start(router)
-    assert caught.value.reason == "STALENESS_LIMIT"
-    assert caught.value.metadata["shard_lease"] == "3"
+    refusal = caught.value.refusal
+    assert (refusal.reason, refusal.metadata["shard_lease"]) == ("STALENESS_LIMIT", "3")
     assert router.trainer.in_flight == 3  # the refused start changed nothing
 
 
@@ -83,7 +87,7 @@ async def test_a_used_up_lease_waits_for_one_answer_shared_by_concurrent_starts(
     assert isinstance(source, ScriptedSource)
     pending = []
     for _ in range(3):
-        with pytest.raises(AdmissionPending) as caught:
+        with pytest.raises(LeasePendingError) as caught:
             start(router)
         pending.append(asyncio.ensure_future(caught.value.retry(lambda: start(router))))
     await asyncio.sleep(0)
@@ -101,7 +105,6 @@ async def test_a_source_that_cannot_answer_refuses_with_its_reason() -> None:
     start(router)
     with pytest.raises(ResourceExhausted) as caught:
         start(router)
-    assert not isinstance(caught.value, AdmissionPending)
     assert caught.value.reason == "STALENESS_LIMIT"
     assert "fill its lease of 1 slots" in caught.value.message
     assert "NATS is unreachable" in caught.value.message
@@ -111,7 +114,9 @@ async def test_a_waiting_start_is_admitted_when_the_lease_grows() -> None:
     router = sharded_router(lease=0)
     source = router.trainer.lease_source
     assert isinstance(source, ScriptedSource)
-    waiting = asyncio.ensure_future(router.start_when_admitted(lambda: start(router), 5.0))
+    waiting = asyncio.ensure_future(
+        router.start_when_admitted(lambda: refused_while_pending(lambda: start(router)), 5.0)
+    )
     await asyncio.sleep(0.01)
     assert not waiting.done()
     source.answer_now()
@@ -121,7 +126,7 @@ async def test_a_waiting_start_is_admitted_when_the_lease_grows() -> None:
 async def test_a_dropped_group_reopens_a_slot_of_the_lease() -> None:
     router = sharded_router(lease=1)
     group_id = start(router)
-    with pytest.raises(AdmissionPending):
+    with pytest.raises(LeasePendingError):
         start(router)
     session = router.groups.get(group_id).members[0].name
     router.abort_session(session, "gone")

@@ -17,6 +17,7 @@ import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from functools import partial
 from typing import NoReturn, TypeVar
 
 import grpc
@@ -37,7 +38,11 @@ from sessionrouter.server.core.results import (
 from sessionrouter.server.core.rewards import RewardBatch
 from sessionrouter.server.core.router import SessionRouter
 from sessionrouter.server.core.sizes import MESSAGE_BUDGET_BYTES
-from sessionrouter.server.core.staleness import AdmissionPending, TrainerStateChange
+from sessionrouter.server.core.staleness import (
+    LeasePendingError,
+    TrainerStateChange,
+    refused_while_pending,
+)
 from sessionrouter.server.core.streams import (
     Commit,
     MemberReplaced,
@@ -90,11 +95,11 @@ async def _start(
     if not wait:
         try:
             return start()
-        except AdmissionPending as pending:  # a shard's lease ran out: one NATS round trip
+        except LeasePendingError as pending:  # a shard's lease ran out: one NATS round trip
             return await pending.retry(start)
     remaining = context.time_remaining()
     timeout = DEFAULT_ADMISSION_WAIT_S if remaining is None else min(remaining, 86_400.0)
-    return await router.start_when_admitted(start, timeout)
+    return await router.start_when_admitted(partial(refused_while_pending, start), timeout)
 
 
 class _Refusing:

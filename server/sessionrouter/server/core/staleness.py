@@ -51,26 +51,37 @@ class LeaseSource(Protocol):
         ...
 
 
-class AdmissionPending(ResourceExhausted):
-    """STALENESS_LIMIT for now: the shard's lease is used up and more was asked for.
-    ``retry`` waits for the answer and starts again; uncaught, it is the refusal."""
+class LeasePendingError(Exception):
+    """Not a refusal yet: the shard's lease is used up and more were asked for. ``retry``
+    waits for that answer and starts again; ``refusal`` (STALENESS_LIMIT) is what the caller
+    gets when no slot comes. Never reaches a caller itself (see ``refused_while_pending``)."""
 
-    def __init__(self, answer: Awaitable[bool], message: str, metadata: dict[str, object]) -> None:
-        super().__init__("STALENESS_LIMIT", message, metadata=metadata, retry_after_s=0.1)
+    def __init__(self, answer: Awaitable[bool], refusal: ResourceExhausted) -> None:
+        super().__init__(refusal.message)
         self.answer = answer
+        self.refusal = refusal
 
     async def retry(self, start: Callable[[], _T]) -> _T:
         """Waits for the lease answer and calls ``start`` again, up to LEASE_TRIES times;
-        raises the last refusal when no slot came."""
-        pending: AdmissionPending = self
+        raises the refusal when no slot came."""
+        pending: LeasePendingError = self
         for _ in range(LEASE_TRIES):
             if not await pending.answer:
                 break
             try:
                 return start()
-            except AdmissionPending as again:
+            except LeasePendingError as again:
                 pending = again
-        raise pending
+        raise pending.refusal
+
+
+def refused_while_pending(start: Callable[[], _T]) -> _T:
+    """Calls ``start``, raising a pending lease as its refusal: for a start that waits for
+    any change of admission (a lease answer wakes it like any other), not for one answer."""
+    try:
+        return start()
+    except LeasePendingError as pending:
+        raise pending.refusal from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +179,7 @@ class StalenessGate:
 
     def check_admit(self, retry_after_s: float) -> None:
         """Refuses a new group beyond the limit with ResourceExhausted (STALENESS_LIMIT);
-        on a shard whose lease is used up, AdmissionPending (more slots were asked for) or
+        on a shard whose lease is used up, LeasePendingError (more slots were asked for) or
         STALENESS_LIMIT naming why no more can come."""
         if not self.open:
             raise ResourceExhausted(
@@ -195,7 +206,16 @@ class StalenessGate:
                 metadata=metadata,
                 retry_after_s=retry_after_s,
             )
-        raise AdmissionPending(answer, f"{message}; more were asked for", metadata)
+        raise LeasePendingError(
+            answer,
+            ResourceExhausted(
+                "STALENESS_LIMIT",
+                f"{message}, and no more came from the fleet's limit in time; retry when the"
+                " trainer steps or groups are dropped",
+                metadata=metadata,
+                retry_after_s=retry_after_s,
+            ),
+        )
 
     def adopt(
         self,
