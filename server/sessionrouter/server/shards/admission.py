@@ -191,13 +191,14 @@ class FleetAdmission:
         """``LeaseSource.more``: one request shared by every start that finds the lease
         used up; a reason instead when none can succeed now."""
         self._last_request = time.monotonic()
-        self._demand += 1
         if not self.link.connected or self._kv is None:
             return "NATS is unreachable, so no more can be leased until it is back"
         if self._request is not None and not self._request.done():
+            self._demand += 1
             return asyncio.shield(self._request)
         if self._blocked_at == self.revision:
             return "the other shards hold the rest of it"
+        self._demand = 1
         self._request = asyncio.get_running_loop().create_task(self._lease(), name="lease")
         return asyncio.shield(self._request)
 
