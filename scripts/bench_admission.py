@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench_common import ROOT, header, median
+from bench_shards import cpu_seconds
 
 sys.path.insert(0, str(ROOT))
 
@@ -37,15 +36,6 @@ from sessionrouter.client import SessionRouterClient, StalenessPolicy
 from tests.shards._cluster import Cluster
 
 WORKERS = tuple(f"--worker=w{i}=10.0.0.{i}:1,1000000" for i in range(16))
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of ``pid``, in seconds."""
-    with contextlib.suppress(OSError, IndexError, ValueError):
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _TICKS
-    return 0.0
 
 
 def routers_cpu(cluster: Cluster) -> float:
