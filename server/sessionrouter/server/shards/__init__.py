@@ -3,10 +3,12 @@
 - ``identity``: which shard this is, ownership checks, minted group ids;
 - ``guard``: the guard layer that refuses calls about another shard's group;
 - ``link``: the NATS connection, the buckets and the feed stream;
-- ``registry``: who serves which shard, and the shard-count check;
+- ``registry``: who serves which shard, the shard-count check, one process per index;
 - ``pool`` and ``worker_service``: the shared worker pool and its capacity split;
 - ``publisher``: this shard's finished groups into the one feed stream;
 - ``merged_feed``: SubscribeGroups over that stream;
+- ``admission`` and ``trainer_service``: the trainer state and the staleness admission
+  budget every shard shares (leases of the limit), and SetTrainerState writing them;
 - ``runtime``: starts and stops all of it with the server.
 
 Nothing here is imported by a single router beyond ``identity`` (no NATS dependency).
