@@ -34,22 +34,12 @@ from sessionrouter.client.shardmap import shard_of, shard_of_handle
 from sessionrouter.server.app import WorkerSpec
 from sessionrouter.server.shards.merged_feed import FETCH_WAIT_S
 from sessionrouter.v1 import session_service_pb2 as spb
-from tests.shards.support import NatsServer, eventually, finish_group, owned_group, start_shard
+from tests.shards.support import eventually, finish_group, owned_group
 from tests.support import Harness, stop_harness
 
 N = 3
 WORKERS = tuple(WorkerSpec(f"w{i}", f"10.0.0.{i}:30000", 64) for i in range(4))
 FAST = RetryPolicy(max_attempts=4, initial_backoff=0.01, max_backoff=0.05)
-
-
-@pytest.fixture
-async def shards(nats_server: NatsServer) -> AsyncIterator[list[Harness]]:
-    started = [await start_shard(nats_server.url, i, N, workers=WORKERS) for i in range(N)]
-    try:
-        yield started
-    finally:
-        for h in started:
-            await stop_harness(h)
 
 
 @pytest.fixture
