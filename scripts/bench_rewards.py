@@ -16,13 +16,21 @@ included. Three ways of sending, each against an ack-only server that answers in
 The ratios are the figures to quote: they say how much of the transport's ceiling the
 router's bookkeeping and reduction leave.
 
-    .venv/bin/python scripts/bench_rewards.py [--rewards 40000] [--repeats 3] [--modes ...]
+Steady state only: each run first sends ``--warmup`` messages on its open stream and waits for
+their acks (the channel is connected, the stream and the server's caches are warm), and only
+then starts the clock and reads the server's CPU; both are read again at the last ack. Server
+CPU is the sum of the run time of the server's threads from /proc/PID/task/*/schedstat
+(nanoseconds): the ack-only server spends well under 0.1 s on a run, which /proc/PID/stat's
+10 ms ticks would measure to a tenth.
+
+    .venv/bin/python scripts/bench_rewards.py [--rewards 100000] [--repeats 3] [--modes ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
@@ -42,6 +50,36 @@ from sessionrouter.v1 import worker_service_pb2_grpc as wpb_grpc
 GROUP_SIZE = 8
 WINDOW = 64
 """Requests in flight at most (unacknowledged), for every mode."""
+
+
+def cpu_ns(pid: int) -> int:
+    """Nanoseconds the threads of process ``pid`` have run so far (schedstat's first field,
+    summed over its threads). A thread that ends takes its time with it; the servers measured
+    here keep theirs (gRPC's and the journal's threads live as long as the process)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
+class Window:
+    """The timed stretch of one run: wall seconds and the server's CPU seconds between
+    ``start`` (after the warm-up) and ``stop`` (the last ack)."""
+
+    def __init__(self, pid: int | None = None) -> None:
+        self._pid = pid
+        self._started = self._cpu = 0.0
+        self.seconds = self.cpu_seconds = 0.0
+
+    def start(self) -> None:
+        self._cpu = cpu_ns(self._pid) / 1e9 if self._pid is not None else 0.0
+        self._started = time.perf_counter()
+
+    def stop(self) -> None:
+        self.seconds = time.perf_counter() - self._started
+        if self._pid is not None:
+            self.cpu_seconds = cpu_ns(self._pid) / 1e9 - self._cpu
 
 
 class AckOnlyServicer(spb_grpc.SessionServiceServicer):
@@ -136,14 +174,26 @@ def requests_of(
     return requests
 
 
-async def drive_stubs(address: str, requests: Sequence[spb.SubmitRewardsRequest]) -> None:
-    """Streams the requests, keeping at most WINDOW unacknowledged, until every ack came."""
+async def drive_stubs(
+    address: str,
+    requests: Sequence[spb.SubmitRewardsRequest],
+    window: Window | None = None,
+    warmup: int = 0,
+) -> None:
+    """Streams the requests, keeping at most WINDOW unacknowledged, until every ack came.
+    With a ``window``, the first ``warmup`` requests are sent and acknowledged before it
+    starts; it stops at the last ack."""
     acked = asyncio.Semaphore(WINDOW)
+    warm = asyncio.Event()
     async with grpc.aio.insecure_channel(address) as channel:
         stub = spb_grpc.SessionServiceStub(channel)
 
         async def produce() -> AsyncIterator[spb.SubmitRewardsRequest]:
-            for request in requests:
+            for i, request in enumerate(requests):
+                if window is not None and i == warmup:
+                    if warmup:
+                        await warm.wait()
+                    window.start()
                 await acked.acquire()
                 yield request
 
@@ -153,7 +203,11 @@ async def drive_stubs(address: str, requests: Sequence[spb.SubmitRewardsRequest]
             if response.HasField("ack"):
                 acks += 1
                 acked.release()
+                if acks == warmup:
+                    warm.set()
                 if acks == len(requests):
+                    if window is not None:
+                        window.stop()
                     call.cancel()
                     break
 
@@ -167,13 +221,16 @@ async def drive(address: str, names: Sequence[str], per_message: int) -> float:
     return len(names) / (time.perf_counter() - started)
 
 
-async def drive_client(address: str, handles: Sequence[int], per_message: int) -> float:
-    """The project's client: one ``submit_arrays`` per message, WINDOW in flight; returns
-    the seconds from the first submit to the last ack (connecting and closing left out, as
-    the stub modes leave out building their requests)."""
+async def drive_client(
+    address: str, handles: Sequence[int], per_message: int, window: Window, warmup: int
+) -> None:
+    """The project's client: one ``submit_arrays`` per message, WINDOW in flight; the first
+    ``warmup`` messages are acknowledged before ``window`` starts, and it stops at the last
+    ack (connecting and closing left out, as the stub modes leave out building their
+    requests)."""
     ids = np.asarray(handles, dtype=np.uint64)
     rewards = (np.arange(len(ids)) % 3).astype(np.float64)
-    window = asyncio.Semaphore(WINDOW)
+    in_flight = asyncio.Semaphore(WINDOW)
     async with SessionRouterClient.connect(address) as client:
         stream = client.reward_stream(
             max_batch=per_message, columnar_results=True, keep_results=False
@@ -181,33 +238,38 @@ async def drive_client(address: str, handles: Sequence[int], per_message: int) -
         async with stream:
 
             async def one(start: int) -> None:
-                async with window:
+                async with in_flight:
                     ack = await stream.submit_arrays(
                         ids[start : start + per_message], rewards[start : start + per_message]
                     )
                     if not ack.all_ok:
                         raise RuntimeError(f"rewards refused: {ack.details[:3]}")
 
-            await stream.submit_arrays(ids[:1], rewards[:1])  # the stream is open and warm
-            started = time.perf_counter()
-            await asyncio.gather(*(one(s) for s in range(1, len(ids), per_message)))
-            return time.perf_counter() - started
-    raise AssertionError("unreachable")  # pragma: no cover
+            starts = range(0, len(ids), per_message)
+            await asyncio.gather(*(one(s) for s in starts[:warmup]))  # open and warm
+            window.start()
+            await asyncio.gather(*(one(s) for s in starts[warmup:]))
+            window.stop()
 
 
 async def run_once(
-    server: Server, mode: str, names: Sequence[str], handles: Sequence[int], per_message: int
+    server: Server,
+    mode: str,
+    names: Sequence[str],
+    handles: Sequence[int],
+    per_message: int,
+    warmup: int = 0,
 ) -> tuple[float, float]:
-    """Rewards/s and server CPU µs per reward of one run."""
-    requests = requests_of(mode, names, handles, per_message) if mode != "client" else []
-    cpu = server.cpu_seconds()
+    """Rewards/s and server CPU µs per reward of one run, over the rewards after the first
+    ``warmup`` messages."""
+    window = Window(server.pid)
     if mode == "client":
-        elapsed = await drive_client(server.address, handles, per_message)
+        await drive_client(server.address, handles, per_message, window, warmup)
     else:
-        started = time.perf_counter()
-        await drive_stubs(server.address, requests)
-        elapsed = time.perf_counter() - started
-    return len(names) / elapsed, (server.cpu_seconds() - cpu) / len(names) * 1e6
+        requests = requests_of(mode, names, handles, per_message)
+        await drive_stubs(server.address, requests, window, warmup)
+    timed = len(names) - min(len(names), warmup * per_message)
+    return timed / window.seconds, window.cpu_seconds / timed * 1e6
 
 
 def uptime() -> str:
@@ -219,9 +281,10 @@ async def measure(args: argparse.Namespace) -> None:
     header("SubmitRewards throughput and server CPU per reward, router vs ack-only server")
     print(f"# uptime before: {uptime()}")
     print(
-        f"# {args.rewards} rewards per run (a quarter at 1 entry/msg), groups of {GROUP_SIZE},"
-        f" {WINDOW} requests in flight, router flags {args.router_arg or 'default'}, median of"
-        f" {args.repeats} (router and ack-only alternated)"
+        f"# {args.rewards} rewards timed per run (a quarter at 1 entry/msg) after"
+        f" {args.warmup} warm-up messages, groups of {GROUP_SIZE}, {WINDOW} requests in"
+        f" flight, router flags {args.router_arg or 'default'}, median of {args.repeats}"
+        " (router and ack-only alternated); server CPU from schedstat over the timed window"
     )
     trivial = [sys.executable, __file__, "--serve-trivial"]
     print(
@@ -230,18 +293,23 @@ async def measure(args: argparse.Namespace) -> None:
     )
     for mode in args.modes:
         for per_message in args.per_message:
-            count = args.rewards if per_message > 1 else args.rewards // 4
+            timed = args.rewards if per_message > 1 else args.rewards // 4
+            count = timed + args.warmup * per_message
             ours, base, ours_cpu, base_cpu = [], [], [], []
             for _ in range(args.repeats):
                 with serve(
                     router_command("--heartbeat-timeout", "3600", *args.router_arg)
                 ) as router:
                     names, handles = await make_sessions_with_handles(router.address, count)
-                    rate, cpu = await run_once(router, mode, names, handles, per_message)
+                    rate, cpu = await run_once(
+                        router, mode, names, handles, per_message, args.warmup
+                    )
                     ours.append(rate)
                     ours_cpu.append(cpu)
                 with serve(trivial) as ack_only:
-                    rate, cpu = await run_once(ack_only, mode, names, handles, per_message)
+                    rate, cpu = await run_once(
+                        ack_only, mode, names, handles, per_message, args.warmup
+                    )
                     base.append(rate)
                     base_cpu.append(cpu)
             print(
@@ -255,7 +323,12 @@ async def measure(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rewards", type=int, default=40_000)
+    parser.add_argument(
+        "--rewards", type=int, default=100_000, help="rewards timed per run (256/msg)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=16, help="messages sent and acked before the clock starts"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--modes",
