@@ -75,6 +75,7 @@ from sessionrouter.server.core.groups import (
     SessionState,
     member_cost,
 )
+from sessionrouter.server.core.intake import resolve, screen
 from sessionrouter.server.core.placement import PlacementMode, PlacementPolicy, choose_worker
 from sessionrouter.server.core.recovery import RestoreSummary, rebuild
 from sessionrouter.server.core.rewards import (
@@ -95,13 +96,11 @@ from sessionrouter.server.core.streams import (
 )
 from sessionrouter.server.core.validation import (
     ID_MAX_LEN,
-    MAX_POLICY_VERSION,
     MAX_REWARD_MAGNITUDE,
     REASON_MAX_LEN,
     check_id,
     check_text,
     parse_session_name,
-    split_handle,
     try_parse_session_name,
 )
 from sessionrouter.server.core.weight_updates import (
@@ -921,111 +920,115 @@ class SessionRouter:
         Only ACCEPTED entries change state, one after the other, so a later entry of the same
         request for the same session is DUPLICATE or CONFLICT. A group whose last reward
         arrives here is finished and queued for reduction, and its result is owed to
-        ``origin``. One loop over the entries, with one lookup per group per request (a
-        handle's group by its creation number, a name's by splitting it, never a regex on the
-        way that succeeds) and the statuses counted once per request."""
+        ``origin``.
+
+        The checks that need no state run over the whole request first (``core.intake``:
+        magnitudes and finiteness with NumPy, handles split with NumPy, each group looked up
+        once per run of its entries); the loop below then applies the entries run by run.
+        A group is tested for completion once per run (a group without lost members can
+        only settle on the last reward it was missing, and no entry after that one can be
+        accepted for it), freed slots are given back once per worker at the end, and the
+        statuses are counted once."""
         n = len(batch.rewards)
         codes = bytearray(b"\x01") * n
-        detail_entries: list[int] = []
-        details: list[str] = []
-        sessions, unknown = self._resolve(batch)
-        rewards = batch.rewards
-        metrics = batch.metrics
-        has_metric = batch.has_metric
-        lows, highs = batch.min_versions, batch.max_versions
-        find_group = self.groups.find
-        journal = self.journal
-        release = self.workers.release_session
-        lost_free: dict[int, bool] = {}
+        refused: dict[int, str] = {}
         owners: dict[int, tuple[int, str]] = {}
-        bound = MAX_REWARD_MAGNITUDE
+        checked = screen(batch)
+        resolved = resolve(batch, self.groups.find_seq, self.groups.find)
+        sessions = resolved.sessions
+        bad_versions, versions_of = checked.bad_versions, checked.versions
+        bad_values, metrics = checked.bad_values, checked.metrics
+        flagged = bool(bad_versions or bad_values)
+        rewards = batch.rewards
+        journal = self.journal
+        record_reward = self.groups.record_reward
+        freed: dict[str, list[tuple[str, int]]] = {}
         OPEN, REWARDED = SessionState.OPEN, SessionState.REWARDED  # noqa: N806
-        for i in range(n):
-            versions = None
-            if lows is not None or highs is not None:
-                low = lows[i] if lows is not None else 0
-                high = highs[i] if highs is not None else 0
-                if low or high:
-                    low, high = low or high, high or low
-                    if high > MAX_POLICY_VERSION or low > high:
+        for group, start, end in resolved.runs:
+            if group is None:
+                for i in range(start, end):
+                    if i in bad_versions:
                         codes[i] = _INVALID_VERSIONS
-                        detail_entries.append(i)
-                        details.append(
-                            f"max_version {high} is above the largest policy version"
-                            f" {MAX_POLICY_VERSION}"
-                            if high > MAX_POLICY_VERSION
-                            else f"min_version {low} is above max_version {high}"
+                        refused[i] = bad_versions[i]
+                        continue
+                    foreign = self._foreign(batch, i)
+                    if foreign is None:
+                        codes[i] = _UNKNOWN_SESSION
+                        refused[i] = resolved.unknown[i]
+                    else:
+                        codes[i] = _WRONG_SHARD
+                        refused[i] = foreign.detail
+                        owners[i] = (foreign.owner_shard or 0, foreign.owner_address)
+                continue
+            # Stranded (only lost members left open) is possible only with a lost member,
+            # and whether a member is lost cannot change during this call: look once.
+            lost = any(s.worker_lost for s in group.members)
+            accepted = False
+            for i in range(start, end):
+                if flagged:
+                    if i in bad_versions:
+                        codes[i] = _INVALID_VERSIONS
+                        refused[i] = bad_versions[i]
+                        continue
+                    if i in bad_values:
+                        codes[i] = _NOT_FINITE
+                        refused[i] = _not_finite_detail(
+                            rewards[i], metrics[i] if metrics is not None else None
                         )
                         continue
-                    versions = (low, high)
-            session = sessions[i]
-            if session is None:
-                foreign = self._foreign(batch, i)
-                detail_entries.append(i)
-                if foreign is None:
-                    codes[i] = _UNKNOWN_SESSION
-                    details.append(unknown[i])
-                else:
-                    codes[i] = _WRONG_SHARD
-                    details.append(foreign.detail)
-                    owners[i] = (foreign.owner_shard or 0, foreign.owner_address)
-                continue
-            reward = rewards[i]
-            metric = None
-            if metrics is not None and (has_metric is None or has_metric[i]):
-                metric = metrics[i]
-            if not -bound <= reward <= bound or (metric is not None and not math.isfinite(metric)):
-                codes[i] = _NOT_FINITE
-                detail_entries.append(i)
-                details.append(_not_finite_detail(reward, metric))
-                continue
-            state = session.state
-            if state is not OPEN:
-                code, detail = _refused_detail(session, reward, metric)
-                codes[i] = code
-                detail_entries.append(i)
-                details.append(detail)
-                continue
-            group = find_group(session.group_id)
-            assert group is not None
-            if group.state is not GroupState.OPEN:
-                codes[i] = _GROUP_CLOSED
-                detail_entries.append(i)
-                details.append(
-                    f"group {group.group_id!r} was {group.state.value} without this session"
-                )
-                continue
-            if versions is not None:
-                session.min_version, session.max_version = versions
-                if journal is not None:
-                    journal.append(SessionVersions(group.seq, session.index, *versions))
-            session.reward = reward = float(reward)
-            session.state = REWARDED
-            group.rewarded += 1
-            if metric is not None:
-                session.filter_metric = metric = float(metric)
-            self.groups.record_reward(group, session)
-            if journal is not None:
-                journal.reward(group.seq, session.index, reward)
-                if metric is not None:
-                    journal.append(FilterMetricSaved(group.seq, session.index, metric))
-            release(session.worker_id, (session.group_id, session.index))
-            if group.full:
-                if group.rewarded + group.aborted == len(group.members):
-                    self._finish(group, origin)  # settled
+                session = sessions[i]
+                assert session is not None
+                metric = metrics[i] if metrics is not None else None
+                if session.state is not OPEN:
+                    code, refused[i] = _refused_detail(session, rewards[i], metric)
+                    codes[i] = code
                     continue
-                # Stranded (only lost members left open) is possible only with a lost member,
-                # and whether a member is lost cannot change during this call: look once.
-                seq = group.seq
-                clean = lost_free.get(seq)
-                if clean is None:
-                    clean = lost_free[seq] = not any(s.worker_lost for s in group.members)
-                if not clean and group.stranded:
+                if group.state is not GroupState.OPEN:
+                    codes[i] = _GROUP_CLOSED
+                    refused[i] = (
+                        f"group {group.group_id!r} was {group.state.value} without this session"
+                    )
+                    continue
+                if versions_of and i in versions_of:
+                    versions = versions_of[i]
+                    session.min_version, session.max_version = versions
+                    if journal is not None:
+                        journal.append(SessionVersions(group.seq, session.index, *versions))
+                session.reward = reward = float(rewards[i])
+                session.state = REWARDED
+                group.rewarded += 1
+                if metric is not None:
+                    session.filter_metric = metric = float(metric)
+                record_reward(group, session)
+                if journal is not None:
+                    journal.reward(group.seq, session.index, reward)
+                    if metric is not None:
+                        journal.append(FilterMetricSaved(group.seq, session.index, metric))
+                worker = freed.get(session.worker_id)
+                if worker is None:
+                    worker = freed[session.worker_id] = []
+                worker.append((session.group_id, session.index))
+                accepted = True
+                if lost and group.stranded:
                     self._finish(group, origin)
-        outcome = BatchOutcome(codes, detail_entries, details, batch.columnar, owners or None)
+            if accepted and group.state is GroupState.OPEN and group.settled:
+                self._finish(group, origin)
+        for worker_id, keys in freed.items():
+            self.workers.release_sessions(worker_id, keys)
+        detail_entries = sorted(refused)
+        outcome = BatchOutcome(
+            codes,
+            detail_entries,
+            [refused[i] for i in detail_entries],
+            batch.columnar,
+            owners or None,
+        )
         counts = self.stats.rewards
-        for status, count in outcome.counts().items():
-            counts[status] += count
+        if refused:
+            for status, count in outcome.counts().items():
+                counts[status] += count
+        else:
+            counts[RewardStatus.ACCEPTED] += n
         return outcome
 
     def _foreign(self, batch: RewardBatch, i: int) -> RewardOutcome | None:
@@ -1038,62 +1041,6 @@ class SessionRouter:
             return None
         parsed = try_parse_session_name(batch.names[i])
         return None if parsed is None else self.foreign_reward(parsed[0])
-
-    def _resolve(self, batch: RewardBatch) -> tuple[list[SessionRecord | None], dict[int, str]]:
-        """The session each entry names (by handle, by name, or both, which must agree), or
-        None; and for those entries, why (the detail of their UNKNOWN_SESSION)."""
-        n = len(batch.rewards)
-        names, handles = batch.names, batch.handles
-        found: list[SessionRecord | None] = [None] * n
-        unknown: dict[int, str] = {}
-        by_seq: dict[int, GroupRecord | None] = {}
-        by_id: dict[str, GroupRecord | None] = {}
-        find_seq, find = self.groups.find_seq, self.groups.find
-        for i in range(n):
-            handle = handles[i] if handles is not None else 0
-            name = names[i] if names is not None else ""
-            session: SessionRecord | None = None
-            problem = ""
-            if handle:
-                seq, index = split_handle(handle)
-                group = by_seq[seq] if seq in by_seq else by_seq.setdefault(seq, find_seq(seq))
-                if group is not None and index < len(group.members):
-                    session = group.members[index]
-                    if name and name != session.name:
-                        problem = f"handle {handle} is session {session.name!r}, not {name[:200]!r}"
-                        session = None
-                else:
-                    problem = f"no session has handle {handle}"
-            elif name:
-                parts = name.split("/")
-                if len(parts) == 4 and parts[0] == "groups" and parts[2] == "sessions":
-                    group_id, text = parts[1], parts[3]
-                    group = (
-                        by_id[group_id]
-                        if group_id in by_id
-                        else by_id.setdefault(group_id, find(group_id))
-                    )
-                    if (
-                        group is not None
-                        and text.isascii()
-                        and text.isdigit()
-                        and len(text) <= 6
-                        and (text[0] != "0" or text == "0")
-                        and int(text) < len(group.members)
-                    ):
-                        session = group.members[int(text)]
-                if session is None:
-                    problem = (
-                        f"no session named {name[:200]!r}"
-                        if try_parse_session_name(name)
-                        else "session must look like groups/{group_id}/sessions/{index}"
-                    )
-            else:
-                problem = "the entry names no session: give its handle or its name"
-            if session is None:
-                unknown[i] = problem
-            found[i] = session
-        return found, unknown
 
     # -- finishing groups ------------------------------------------------------------------
 

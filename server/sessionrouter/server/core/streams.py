@@ -220,7 +220,13 @@ class RewardFlow:
             check_entries(len(entries))
             number = self.begin_request()
             outcomes = self._submit(entries, StreamOrigin(self, number))
-            acks.add(self._commit(), number, RewardAck(sequence, outcomes))
+            durable = self._commit()
+            if durable is ALREADY_DURABLE and acks.idle:
+                # Nothing to wait for and no earlier ack waiting: acked here, without a hop
+                # through the sender task (one task wake per request fewer).
+                self.ack(number, RewardAck(sequence, outcomes))
+                continue
+            acks.add(durable, number, RewardAck(sequence, outcomes))
             await acks.room(MAX_UNACKED_REQUESTS, MAX_UNACKED_ENTRIES)
 
     def stop_intake(self) -> None:
@@ -359,6 +365,11 @@ class _DurableAcks:
         self._sent = asyncio.Event()
         self._closing = False
         self._task = asyncio.create_task(self._send(), name="reward-acks")
+
+    @property
+    def idle(self) -> bool:
+        """No ack is waiting to be sent: one that is already durable may go out at once."""
+        return not self._queue
 
     def add(self, durable: Awaitable[None], number: int, ack: RewardAck) -> None:
         self._queue.append((durable, number, ack))

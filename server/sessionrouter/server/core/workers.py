@@ -419,6 +419,23 @@ class WorkerRegistry:
             # once per released slot (a reward stream releases thousands per second).
             self._stale.add(worker)
 
+    def release_sessions(self, worker_id: str, keys: list[SessionKey]) -> None:
+        """``release_session`` for many sessions of one worker (the rewards of one request
+        placed there): one set operation and one eligibility test for all of them."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return
+        sessions = worker.open_sessions
+        before = len(sessions)
+        sessions.difference_update(keys)
+        if len(sessions) == before:
+            return
+        was_full = before >= worker.capacity
+        if was_full and worker.healthy and not worker.draining and not worker.updating_to:
+            self._changed(worker, False)  # eligible again: the counts change now
+        else:
+            self._stale.add(worker)  # only the load fell: refreshed before the next placement
+
     # -- least-loaded index ----------------------------------------------------------------
 
     def least_loaded(self, exclude: Container[str], selector: Selector = ()) -> WorkerRecord | None:

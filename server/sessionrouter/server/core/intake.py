@@ -1,0 +1,244 @@
+"""The read-only half of applying one request's rewards: which entries are refused before any
+session is looked at, and which session (and group) each entry names.
+
+Both run once per request over its columns, with NumPy where the columns are numbers (the
+magnitude and finiteness checks over all rewards at once, session handles split into group
+seq and member index at once), so the loop that applies the accepted entries
+(``SessionRouter.submit_batch``) visits a refused entry only to write its status, and looks
+each group up once per run of consecutive entries of that group, not once per entry.
+
+Nothing here changes state: an entry's status still depends on the entries before it in the
+request (a second reward for the same session is DUPLICATE or CONFLICT), which only the
+applying loop knows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from sessionrouter.server.core.groups import GroupRecord, SessionRecord
+from sessionrouter.server.core.rewards import RewardBatch
+from sessionrouter.server.core.validation import (
+    HANDLE_INDEX_BITS,
+    MAX_POLICY_VERSION,
+    MAX_REWARD_MAGNITUDE,
+    try_parse_session_name,
+)
+
+_INDEX_MASK = (1 << HANDLE_INDEX_BITS) - 1
+
+
+@dataclass(slots=True)
+class Screen:
+    """What the columns alone say about each entry of a request of n entries.
+
+    - ``bad_versions``: entry -> detail, for min/max versions that are refused
+      (INVALID_VERSIONS, checked before anything else);
+    - ``versions``: entry -> (min_version, max_version), for the entries that gave valid ones;
+    - ``bad_values``: the entries whose reward or filter metric is refused (NOT_FINITE,
+      checked once the session is known);
+    - ``metrics``: (n,) each entry's filter metric, None where it gives none; None when no
+      entry gives one.
+    """
+
+    bad_versions: dict[int, str]
+    versions: dict[int, tuple[int, int]]
+    bad_values: frozenset[int]
+    metrics: list[float | None] | None
+
+
+def screen(batch: RewardBatch) -> Screen:
+    """The checks of ``batch`` that need no state: one NumPy pass over the rewards (and the
+    filter metrics) for magnitude and finiteness, and a look at the versions only when the
+    request gives some."""
+    n = len(batch.rewards)
+    metrics: list[float | None] | None = None
+    if batch.metrics is not None:
+        has = batch.has_metric
+        metrics = (
+            list(batch.metrics)
+            if has is None
+            else [m if h else None for m, h in zip(batch.metrics, has, strict=True)]
+        )
+    bad_values = _bad_values(batch.rewards, metrics)
+    bad_versions: dict[int, str] = {}
+    versions: dict[int, tuple[int, int]] = {}
+    lows, highs = batch.min_versions, batch.max_versions
+    if lows is not None or highs is not None:
+        for i in range(n):
+            low = lows[i] if lows is not None else 0
+            high = highs[i] if highs is not None else 0
+            if not (low or high):
+                continue
+            low, high = low or high, high or low
+            if high > MAX_POLICY_VERSION:
+                bad_versions[i] = (
+                    f"max_version {high} is above the largest policy version {MAX_POLICY_VERSION}"
+                )
+            elif low > high:
+                bad_versions[i] = f"min_version {low} is above max_version {high}"
+            else:
+                versions[i] = (low, high)
+    return Screen(bad_versions, versions, bad_values, metrics)
+
+
+def _bad_values(rewards: list[float], metrics: list[float | None] | None) -> frozenset[int]:
+    """Entries whose reward is beyond ``MAX_REWARD_MAGNITUDE`` or not finite, or whose filter
+    metric is not finite. Vectorized; values NumPy cannot hold as float64 (a Python integer
+    beyond its range, from a caller of the core) are checked one by one."""
+    bound = MAX_REWARD_MAGNITUDE
+    try:
+        values = np.asarray(rewards, dtype=np.float64)
+    except (OverflowError, TypeError, ValueError):
+        bad = {i for i, r in enumerate(rewards) if not -bound <= r <= bound}
+    else:
+        # NaN fails the comparison, so it is refused with the infinities.
+        bad = set(np.flatnonzero(~(np.abs(values) <= bound)).tolist())
+    if metrics is not None:
+        bad.update(i for i, m in enumerate(metrics) if m is not None and not math.isfinite(m))
+    return frozenset(bad)
+
+
+@dataclass(slots=True)
+class Resolved:
+    """The session each entry of a request names, as runs of consecutive entries.
+
+    - ``sessions``: (n,) entry i's session, None when it names none this router holds;
+    - ``unknown``: entry -> why it names none (the detail of its UNKNOWN_SESSION);
+    - ``runs``: (group, start, end) for each maximal stretch of consecutive entries whose
+      sessions are members of one group (``group`` None: entries that resolved to no
+      session). They cover 0..n in order.
+    """
+
+    sessions: list[SessionRecord | None]
+    unknown: dict[int, str]
+    runs: list[tuple[GroupRecord | None, int, int]]
+
+
+def resolve(
+    batch: RewardBatch,
+    find_seq: Callable[[int], GroupRecord | None],
+    find: Callable[[str], GroupRecord | None],
+) -> Resolved:
+    """Resolves every entry by handle, by name, or both (which must agree). Handles are
+    split into (group seq, member index) with one NumPy operation over the column; each run
+    of equal seqs is looked up once (names: each distinct group id once)."""
+    n = len(batch.rewards)
+    names, handles = batch.names, batch.handles
+    sessions: list[SessionRecord | None] = [None] * n
+    group_of: list[GroupRecord | None] = [None] * n
+    unknown: dict[int, str] = {}
+    known: dict[str, GroupRecord | None] = {}
+
+    def find_once(group_id: str) -> GroupRecord | None:
+        if group_id in known:
+            return known[group_id]
+        group = known[group_id] = find(group_id)
+        return group
+
+    if handles is None:
+        for i in range(n):
+            group_of[i] = _by_name(batch, i, sessions, unknown, find_once)
+        return Resolved(sessions, unknown, _runs(group_of))
+    starts, seq_of, indices = _split_handles(handles)
+    bounds = [*starts, n]
+    for k, seq in enumerate(seq_of):
+        start, end = bounds[k], bounds[k + 1]
+        group = find_seq(seq) if seq else None
+        if group is None:
+            # No such group, or entries without a handle (named instead).
+            for i in range(start, end):
+                group_of[i] = _by_name(batch, i, sessions, unknown, find_once)
+            continue
+        members = group.members
+        count = len(members)
+        for i in range(start, end):
+            index = indices[i]
+            if index >= count:
+                unknown[i] = f"no session has handle {handles[i]}"
+                continue
+            session = members[index]
+            name = names[i] if names is not None else ""
+            if name and name != session.name:
+                unknown[i] = f"handle {handles[i]} is session {session.name!r}, not {name[:200]!r}"
+                continue
+            sessions[i] = session
+            group_of[i] = group
+    return Resolved(sessions, unknown, _runs(group_of))
+
+
+def _split_handles(handles: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """(where each run of equal group seqs starts, the seq of each run, each entry's member
+    index) of a handle column, with NumPy; handles it cannot hold as uint64 (negative ones,
+    from a caller of the core: they name no session) are split one by one."""
+    try:
+        column = np.asarray(handles, dtype=np.uint64)
+    except (OverflowError, TypeError, ValueError):
+        seqs = [h >> HANDLE_INDEX_BITS if h > 0 else 0 for h in handles]
+        starts = [i for i in range(len(seqs)) if i == 0 or seqs[i] != seqs[i - 1]]
+        return starts, [seqs[i] for i in starts], [h & _INDEX_MASK for h in handles]
+    shifted = column >> np.uint64(HANDLE_INDEX_BITS)
+    run_starts = np.flatnonzero(np.concatenate(([True], shifted[1:] != shifted[:-1])))
+    return (
+        run_starts.tolist(),
+        shifted[run_starts].tolist(),
+        (column & np.uint64(_INDEX_MASK)).tolist(),
+    )
+
+
+def _runs(group_of: list[GroupRecord | None]) -> list[tuple[GroupRecord | None, int, int]]:
+    """Maximal stretches of consecutive entries with the same group (by identity; None for
+    the entries that resolved to no session), in order."""
+    runs: list[tuple[GroupRecord | None, int, int]] = []
+    start = 0
+    current = group_of[0] if group_of else None
+    for i, group in enumerate(group_of):
+        if group is not current:
+            runs.append((current, start, i))
+            start, current = i, group
+    if group_of:
+        runs.append((current, start, len(group_of)))
+    return runs
+
+
+def _by_name(
+    batch: RewardBatch,
+    i: int,
+    sessions: list[SessionRecord | None],
+    unknown: dict[int, str],
+    find: Callable[[str], GroupRecord | None],
+) -> GroupRecord | None:
+    """Resolves entry i by its name (an entry without a handle) and returns its group, or
+    says why it cannot (and returns None). Names are split without a regex; the regex runs
+    only to word the refusal of a name that names nothing."""
+    handle = batch.handles[i] if batch.handles is not None else 0
+    if handle:
+        unknown[i] = f"no session has handle {handle}"
+        return None
+    name = batch.names[i] if batch.names is not None else ""
+    if not name:
+        unknown[i] = "the entry names no session: give its handle or its name"
+        return None
+    parts = name.split("/")
+    if len(parts) == 4 and parts[0] == "groups" and parts[2] == "sessions":
+        group, text = find(parts[1]), parts[3]
+        if (
+            group is not None
+            and text.isascii()
+            and text.isdigit()
+            and len(text) <= 6
+            and (text[0] != "0" or text == "0")
+            and int(text) < len(group.members)
+        ):
+            sessions[i] = group.members[int(text)]
+            return group
+    unknown[i] = (
+        f"no session named {name[:200]!r}"
+        if try_parse_session_name(name)
+        else "session must look like groups/{group_id}/sessions/{index}"
+    )
+    return None
