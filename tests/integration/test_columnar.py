@@ -397,3 +397,104 @@ async def test_handles_are_stable_across_a_journal_restart(tmp_path: Path) -> No
         assert later.group.members[0].handle not in handles
     finally:
         await stop_harness(h)
+
+
+async def lost_member_setup(h: Harness) -> dict[str, list[pb.Session]]:
+    """Group "s" of 3 on distinct workers, its member 2's worker deregistered (the member is
+    lost, its group waits for the other two); groups "p" and "c" of 2 to interleave."""
+    for i in range(3):
+        await h.workers.RegisterWorker(
+            wpb.RegisterWorkerRequest(worker_id=f"w{i}", address=f"10.0.0.{i}:1", capacity=64)
+        )
+    short = pb.GroupOptions(min_members=1)
+    members: dict[str, list[pb.Session]] = {}
+    for group_id, size in (("s", 3), ("p", 2), ("c", 2)):
+        reply = await h.sessions.StartGroup(
+            spb.StartGroupRequest(
+                task_id="t", group_id=group_id, group_size=size, group_options=short
+            )
+        )
+        members[group_id] = list(reply.group.members)
+    lost_on = members["s"][2].worker_id
+    await h.workers.DeregisterWorker(wpb.DeregisterWorkerRequest(worker_id=lost_on))
+    return members
+
+
+STRANDED = (
+    Ref("s", 0, "handle", 1.0),
+    Ref("p", 0, "handle", 0.5),  # another group between two entries of "s"
+    Ref("s", 1, "name", 0.0),  # only the lost member is left open: "s" ends here
+    Ref("s", 2, "handle", 1.0),  # the lost member, after its group ended: GROUP_CLOSED
+    Ref("c", 0, "both", 1.0),
+    Ref("p", 1, "handle", 0.0),  # completes "p", split over two runs of the request
+    Ref("c", 1, "name", 2.0),  # completes "c"
+    Ref("p", 1, "handle", 0.0),  # after "p" ended: DUPLICATE
+)
+
+
+async def test_a_group_stranded_mid_request_is_closed_to_its_later_entries_in_both_forms() -> None:
+    """A group that can end in the middle of a request (its only open member is lost) ends
+    at the entry that strands it, in both forms; groups whose entries are interleaved end
+    once, each at its last reward, with their results in completion order."""
+    by_message, by_columns = await start_harness(), await start_harness()
+    try:
+        got = {}
+        finished = {}
+        for h, build in ((by_message, message_request), (by_columns, columnar_request)):
+            members = await lost_member_setup(h)
+            responses = await submit(h, build(STRANDED, members))
+            (ack,) = [m.ack for m in responses if m.HasField("ack")]
+            got[build] = masked(per_entry(ack))
+            if build is message_request:
+                results = [r for m in responses for r in m.group_results]
+            else:
+                results = [r for m in responses for r in batch_as_results(m.result_batch)]
+            finished[build] = [(r.group_id, r.outcome, list(r.rewards)) for r in results]
+        assert got[message_request] == got[columnar_request]
+        S = spb  # noqa: N806
+        assert [s for s, _ in got[message_request]] == [
+            S.REWARD_STATUS_ACCEPTED,
+            S.REWARD_STATUS_ACCEPTED,
+            S.REWARD_STATUS_ACCEPTED,
+            S.REWARD_STATUS_GROUP_CLOSED,
+            S.REWARD_STATUS_ACCEPTED,
+            S.REWARD_STATUS_ACCEPTED,
+            S.REWARD_STATUS_ACCEPTED,
+            S.REWARD_STATUS_DUPLICATE,
+        ]
+        assert got[message_request][3][1] == ("group 's' was finalized without this session")
+        assert finished[message_request] == finished[columnar_request]
+        assert finished[message_request] == [
+            ("s", pb.GROUP_OUTCOME_PARTIAL, [1.0, 0.0]),
+            ("p", pb.GROUP_OUTCOME_COMPLETE, [0.5, 0.0]),
+            ("c", pb.GROUP_OUTCOME_COMPLETE, [1.0, 2.0]),
+        ]
+    finally:
+        await stop_harness(by_message)
+        await stop_harness(by_columns)
+
+
+async def test_rewards_of_one_request_free_their_slots_on_each_worker(harness: Harness) -> None:
+    """Slots freed by one request are given back per worker in one go: each worker's open
+    sessions fall by its rewarded members, and a worker that was full takes sessions again."""
+    for i in range(2):
+        await harness.workers.RegisterWorker(
+            wpb.RegisterWorkerRequest(worker_id=f"w{i}", address=f"10.0.0.{i}:1", capacity=3)
+        )
+    groups = [
+        await harness.sessions.StartGroup(spb.StartGroupRequest(task_id="t", group_size=2))
+        for _ in range(3)
+    ]
+    with pytest.raises(grpc.aio.AioRpcError) as full:
+        await harness.sessions.StartGroup(spb.StartGroupRequest(task_id="t", group_size=2))
+    assert full.value.code() == grpc.StatusCode.UNAVAILABLE  # every worker is full
+    handles = [m.handle for g in groups[:2] for m in g.group.members]
+    request = spb.SubmitRewardsRequest(
+        columns=spb.RewardColumns(handles=handles, rewards=[1.0, 0.0, 1.0, 0.5])
+    )
+    (ack,) = [m.ack for m in await submit(harness, request) if m.HasField("ack")]
+    assert list(ack.statuses) == [spb.REWARD_STATUS_ACCEPTED] * 4
+    listed = await harness.workers.ListWorkers(wpb.ListWorkersRequest())
+    assert sorted(w.open_sessions for w in listed.workers) == [1, 1]
+    again = await harness.sessions.StartGroup(spb.StartGroupRequest(task_id="t", group_size=2))
+    assert {m.worker_id for m in again.group.members} == {"w0", "w1"}

@@ -30,6 +30,7 @@ from sessionrouter.server.core.streams import (
     StreamEvent,
     StreamOrigin,
     event_bytes,
+    no_journal,
 )
 from sessionrouter.server.servicer import MESSAGE_BYTE_BUDGET, _feed_messages
 
@@ -297,3 +298,33 @@ def test_feed_messages_split_by_bytes_count_skips_and_name_the_last_cursor_cover
     unskipped = _feed_result(1, degenerate=True, members=1)
     only_skips = _feed_messages([unskipped], skip_degenerate=True)
     assert [(len(m.groups), m.skipped_degenerate, m.last_cursor) for m in only_skips] == [(0, 1, 1)]
+
+
+async def test_in_memory_acks_go_out_from_the_reader_in_order_with_results_after_them() -> None:
+    """Without a journal an ack has nothing to wait for: the reader queues it at once (no
+    sender task in between), still in request order and still before the results its
+    request completed."""
+    flow: RewardFlow
+
+    def submit(entries: Entries, origin: StreamOrigin) -> list[RewardOutcome]:
+        # Each earlier request's ack and result are queued already: no task ran between.
+        assert flow.backlog == 2 * origin.request
+        origin.flow.expect_group()
+        origin.flow.deliver(origin.request, result(origin.request + 1))  # before its ack
+        return [ACCEPTED] * len(entries)
+
+    flow = RewardFlow(submit, no_journal)
+    await flow.read(requests_of(1, 2, 3))
+    events = await drain(flow)
+    kinds = [
+        ("ack", e.sequence) if isinstance(e, RewardAck) else ("result", e.cursor) for e in events
+    ]
+    assert kinds == [
+        ("ack", 100),
+        ("result", 1),
+        ("ack", 101),
+        ("result", 2),
+        ("ack", 102),
+        ("result", 3),
+    ]
+    assert flow.backlog_bytes == 0

@@ -36,3 +36,24 @@ def test_a_full_worker_that_frees_a_slot_is_eligible_at_once() -> None:
     registry.release_session("gone", ("g", 1))  # an unknown worker: nothing to free
     registry.release_session("a", ("g", 7))  # a session it does not hold: nothing either
     assert len(a.open_sessions) == 1
+
+
+def test_slots_released_together_count_once_and_make_a_full_worker_eligible() -> None:
+    registry = WorkerRegistry(heartbeat_timeout_s=60.0)
+    a, _ = registry.register("a", "10.0.0.1:1", 3, {}, 0.0, 0.0)
+    b, _ = registry.register("b", "10.0.0.2:1", 100, {}, 0.0, 0.0)
+    for i in range(3):
+        registry.add_session(a, ("g", i))
+    for i in range(2):
+        registry.add_session(b, ("h", i))
+    assert registry.eligible_count == 1 and registry.least_loaded(exclude=()) is b
+    # Two of a's sessions, one it never held: a falls to 1 open session and is eligible.
+    registry.release_sessions("a", [("g", 0), ("g", 2), ("g", 9)])
+    assert len(a.open_sessions) == 1 and registry.eligible_count == 2
+    assert registry.pool(()).eligible_capacity == 103
+    assert registry.least_loaded(exclude={"b"}) is a
+    registry.release_sessions("a", [("g", 1)])  # a (not full) to 0/3: refreshed before lookup
+    assert registry.least_loaded(exclude=()) is a
+    registry.release_sessions("gone", [("g", 1)])  # an unknown worker: nothing to free
+    registry.release_sessions("b", [])
+    assert len(b.open_sessions) == 2 and registry.eligible_count == 2

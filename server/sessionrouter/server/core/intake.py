@@ -87,17 +87,11 @@ def screen(batch: RewardBatch) -> Screen:
 
 
 def _bad_values(rewards: list[float], metrics: list[float | None] | None) -> frozenset[int]:
-    """Entries whose reward is beyond ``MAX_REWARD_MAGNITUDE`` or not finite, or whose filter
-    metric is not finite. Vectorized; values NumPy cannot hold as float64 (a Python integer
-    beyond its range, from a caller of the core) are checked one by one."""
-    bound = MAX_REWARD_MAGNITUDE
-    try:
-        values = np.asarray(rewards, dtype=np.float64)
-    except (OverflowError, TypeError, ValueError):
-        bad = {i for i, r in enumerate(rewards) if not -bound <= r <= bound}
-    else:
-        # NaN fails the comparison, so it is refused with the infinities.
-        bad = set(np.flatnonzero(~(np.abs(values) <= bound)).tolist())
+    """Entries whose reward is beyond ``MAX_REWARD_MAGNITUDE`` or not finite (one NumPy pass
+    over the column: NaN fails the comparison, so it is refused with the infinities), or
+    whose filter metric is not finite."""
+    values = np.asarray(rewards, dtype=np.float64)
+    bad = set(np.flatnonzero(~(np.abs(values) <= MAX_REWARD_MAGNITUDE)).tolist())
     if metrics is not None:
         bad.update(i for i, m in enumerate(metrics) if m is not None and not math.isfinite(m))
     return frozenset(bad)
