@@ -86,14 +86,16 @@ class SessionRecord:
     max_version: int = 0
     interrupted: bool = False
     """A weight update of the worker asked for its open sessions to be reported interrupted."""
+    key: tuple[str, int] = field(init=False, repr=False)
+    """(group_id, index), made once: the very object its worker's set holds, so that freeing
+    the slot finds it by identity, with no tuple built per reward."""
+
+    def __post_init__(self) -> None:
+        self.key = (self.group_id, self.index)
 
     @property
     def name(self) -> str:
         return session_name(self.group_id, self.index)
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.group_id, self.index)
 
 
 class RewardArena:
@@ -489,6 +491,27 @@ class GroupLedger:
             group.counted_min_version = session.min_version
         if session.max_version > group.counted_max_version:
             group.counted_max_version = session.max_version
+
+    def record_rewards(
+        self, group: GroupRecord, sessions: list[SessionRecord], metrics: bool = True
+    ) -> None:
+        """``record_reward`` for several members of one open group at once (those one request
+        rewarded): one NumPy write into the group's row. ``metrics`` False: none of them
+        was given a filter metric (their request carried none), so none is looked for."""
+        arena = group.arena
+        if arena is None:
+            raise ValueError(f"group {group.group_id!r} is not open")
+        slots = member_slots(group) if group.replaced else None
+        columns = (
+            [s.index for s in sessions] if slots is None else [slots[s.index] for s in sessions]
+        )
+        arena.values[group.arena_row, columns] = [s.reward for s in sessions]
+        if not metrics:
+            return
+        for session, column in zip(sessions, columns, strict=True):
+            if session.filter_metric is not None:
+                arena.metrics[group.arena_row, column] = session.filter_metric
+                group.with_metrics += 1
 
     def member_joined(self, group: GroupRecord, metadata: Mapping[str, str]) -> None:
         """A member was placed in ``group``, already added: counts its bytes."""

@@ -941,7 +941,8 @@ class SessionRouter:
         flagged = bool(bad_versions or bad_values)
         rewards = batch.rewards
         journal = self.journal
-        record_reward = self.groups.record_reward
+        record_rewards = self.groups.record_rewards
+        with_metrics = metrics is not None
         freed: dict[str, list[tuple[str, int]]] = {}
         OPEN, REWARDED = SessionState.OPEN, SessionState.REWARDED  # noqa: N806
         for group, start, end in resolved.runs:
@@ -963,7 +964,7 @@ class SessionRouter:
             # Stranded (only lost members left open) is possible only with a lost member,
             # and whether a member is lost cannot change during this call: look once.
             lost = any(s.worker_lost for s in group.members)
-            accepted = False
+            rewarded: list[SessionRecord] = []
             for i in range(start, end):
                 if flagged:
                     if i in bad_versions:
@@ -999,7 +1000,7 @@ class SessionRouter:
                 group.rewarded += 1
                 if metric is not None:
                     session.filter_metric = metric = float(metric)
-                record_reward(group, session)
+                rewarded.append(session)
                 if journal is not None:
                     journal.reward(group.seq, session.index, reward)
                     if metric is not None:
@@ -1007,12 +1008,15 @@ class SessionRouter:
                 worker = freed.get(session.worker_id)
                 if worker is None:
                     worker = freed[session.worker_id] = []
-                worker.append((session.group_id, session.index))
-                accepted = True
+                worker.append(session.key)
                 if lost and group.stranded:
+                    record_rewards(group, rewarded, with_metrics)
+                    rewarded = []
                     self._finish(group, origin)
-            if accepted and group.state is GroupState.OPEN and group.settled:
-                self._finish(group, origin)
+            if rewarded:
+                record_rewards(group, rewarded, with_metrics)
+                if group.settled:
+                    self._finish(group, origin)
         for worker_id, keys in freed.items():
             self.workers.release_sessions(worker_id, keys)
         detail_entries = sorted(refused)
