@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
-from sessionrouter.server.core.workers import WorkerRegistry
+from sessionrouter.server.core.workers import WorkerRecord, WorkerRegistry
+
+
+def two_workers(
+    capacity_a: int, open_a: int, open_b: int
+) -> tuple[WorkerRegistry, WorkerRecord, WorkerRecord]:
+    """Workers "a" (sessions ("g", i)) and "b" (capacity 100, sessions ("h", i))."""
+    registry = WorkerRegistry(heartbeat_timeout_s=60.0)
+    a, _ = registry.register("a", "10.0.0.1:1", capacity_a, {}, 0.0, 0.0)
+    b, _ = registry.register("b", "10.0.0.2:1", 100, {}, 0.0, 0.0)
+    for i in range(open_a):
+        registry.add_session(a, ("g", i))
+    for i in range(open_b):
+        registry.add_session(b, ("h", i))
+    return registry, a, b
 
 
 def test_released_slots_are_seen_by_the_next_lookup_with_one_push_per_worker() -> None:
-    registry = WorkerRegistry(heartbeat_timeout_s=60.0)
-    a, _ = registry.register("a", "10.0.0.1:1", 100, {}, 0.0, 0.0)
-    b, _ = registry.register("b", "10.0.0.2:1", 100, {}, 0.0, 0.0)
-    for i in range(10):
-        registry.add_session(a, ("g", i))
-    for i in range(5):
-        registry.add_session(b, ("h", i))
+    registry, a, b = two_workers(100, 10, 5)
     assert registry.least_loaded(exclude=()) is b
     heap = registry.pool(()).heap
     before = len(heap)
@@ -39,13 +47,7 @@ def test_a_full_worker_that_frees_a_slot_is_eligible_at_once() -> None:
 
 
 def test_slots_released_together_count_once_and_make_a_full_worker_eligible() -> None:
-    registry = WorkerRegistry(heartbeat_timeout_s=60.0)
-    a, _ = registry.register("a", "10.0.0.1:1", 3, {}, 0.0, 0.0)
-    b, _ = registry.register("b", "10.0.0.2:1", 100, {}, 0.0, 0.0)
-    for i in range(3):
-        registry.add_session(a, ("g", i))
-    for i in range(2):
-        registry.add_session(b, ("h", i))
+    registry, a, b = two_workers(3, 3, 2)
     assert registry.eligible_count == 1 and registry.least_loaded(exclude=()) is b
     # Two of a's sessions, one it never held: a falls to 1 open session and is eligible.
     registry.release_sessions("a", [("g", 0), ("g", 2), ("g", 9)])
