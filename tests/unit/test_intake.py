@@ -5,7 +5,8 @@ the per-entry rules give them, and entries of interleaved groups are applied in 
 from __future__ import annotations
 
 from sessionrouter.server.core.clock import ManualClock
-from sessionrouter.server.core.commands import StartGroupCommand
+from sessionrouter.server.core.commands import StartGroupCommand, StartSessionCommand
+from sessionrouter.server.core.groups import retained_bytes
 from sessionrouter.server.core.rewards import RewardBatch, RewardStatus
 from sessionrouter.server.core.router import RouterSettings, SessionRouter
 from sessionrouter.server.core.validation import session_handle
@@ -59,3 +60,23 @@ def test_interleaved_groups_finish_in_the_order_their_last_rewards_came() -> Non
     assert bytes(outcome.codes) == bytes([1, 1, 1, 1])
     batch = router.finalizer.drain()
     assert [r.group_id for r in batch] == [g.group_id, h.group_id]
+
+
+def test_finished_groups_give_back_exactly_the_bytes_their_members_were_counted_with() -> None:
+    router = make_router()
+    joined = [
+        router.start_session(
+            StartSessionCommand("t", group_id="j", group_size=3, metadata={"k": "v" * i})
+        ).session
+        for i in range(3)
+    ]
+    whole = router.start_group(StartGroupCommand("task", 2, metadata={"m": "x"})).group
+    assert router.groups.open_bytes == retained_bytes(router.groups.get("j")) + retained_bytes(
+        whole
+    )
+    sessions = [*joined, *whole.members]
+    router.submit_rewards([(s.name, 1.0) for s in sessions])
+    assert router.groups.open_bytes == 0 and router.groups.open_groups == 0
+    assert router.groups.finished_bytes == retained_bytes(router.groups.get("j")) + retained_bytes(
+        whole
+    )

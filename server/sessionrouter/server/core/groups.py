@@ -496,21 +496,25 @@ class GroupLedger:
         self, group: GroupRecord, sessions: list[SessionRecord], metrics: bool = True
     ) -> None:
         """``record_reward`` for several members of one open group at once (those one request
-        rewarded): one NumPy write into the group's row. ``metrics`` False: none of them
-        was given a filter metric (their request carried none), so none is looked for."""
+        rewarded), through one view of the group's row: a fancy-indexed write would first
+        turn both lists into arrays, which costs more than these few scalar writes.
+        ``metrics`` False: none of them was given a filter metric (their request carried
+        none), so none is looked for."""
         arena = group.arena
         if arena is None:
             raise ValueError(f"group {group.group_id!r} is not open")
         slots = member_slots(group) if group.replaced else None
-        columns = (
-            [s.index for s in sessions] if slots is None else [slots[s.index] for s in sessions]
-        )
-        arena.values[group.arena_row, columns] = [s.reward for s in sessions]
+        values = arena.values[group.arena_row]
+        for session in sessions:
+            values[session.index if slots is None else slots[session.index]] = session.reward
         if not metrics:
             return
-        for session, column in zip(sessions, columns, strict=True):
+        row = arena.metrics[group.arena_row]
+        for session in sessions:
             if session.filter_metric is not None:
-                arena.metrics[group.arena_row, column] = session.filter_metric
+                row[session.index if slots is None else slots[session.index]] = (
+                    session.filter_metric
+                )
                 group.with_metrics += 1
 
     def member_joined(self, group: GroupRecord, metadata: Mapping[str, str]) -> None:
