@@ -496,17 +496,21 @@ class GroupLedger:
         self, group: GroupRecord, sessions: list[SessionRecord], metrics: bool = True
     ) -> None:
         """``record_reward`` for several members of one open group at once (those one request
-        rewarded), through one view of the group's row: a fancy-indexed write would first
-        turn both lists into arrays, which costs more than these few scalar writes.
-        ``metrics`` False: none of them was given a filter metric (their request carried
-        none), so none is looked for."""
+        rewarded; the group's counted versions too), through one view of the group's row: a
+        fancy-indexed write would first turn both lists into arrays, which costs more than
+        these few scalar writes. ``metrics`` False: none of them was given a filter metric
+        (their request carried none), so none is looked for."""
         arena = group.arena
         if arena is None:
             raise ValueError(f"group {group.group_id!r} is not open")
         slots = member_slots(group) if group.replaced else None
         values = arena.values[group.arena_row]
+        low, high = group.counted_min_version, group.counted_max_version
         for session in sessions:
             values[session.index if slots is None else slots[session.index]] = session.reward
+            low = min(low, session.min_version)
+            high = max(high, session.max_version)
+        group.counted_min_version, group.counted_max_version = low, high
         if not metrics:
             return
         row = arena.metrics[group.arena_row]
