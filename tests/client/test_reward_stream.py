@@ -252,11 +252,15 @@ async def test_leaving_with_an_exception_cancels_and_fails_what_is_pending(
     client: SessionRouterClient, router: RouterSide
 ) -> None:
     pending: list[asyncio.Task[object]] = []
+    # The crash comes once the router holds the request, not after a guessed delay: a
+    # request still unsent would be failed without reaching the router, whose
+    # ``take_request`` (grpc_testing) then waits for it forever.
+    sent = asyncio.Event()
 
     async def crash() -> None:
         async with client.reward_stream() as rs:
             pending.append(asyncio.create_task(rs.submit(name(0), 1.0)))
-            await asyncio.sleep(0.05)
+            await sent.wait()
             raise RuntimeError("trainer crashed")
 
     async def trainer() -> None:
@@ -268,6 +272,7 @@ async def test_leaving_with_an_exception_cancels_and_fails_what_is_pending(
     async def server() -> None:
         await router.accept()
         await router.request()
+        sent.set()
         await router.fake.in_thread(router.rpc.cancelled)  # type: ignore[attr-defined]
 
     await asyncio.gather(trainer(), server())
