@@ -9,7 +9,7 @@ import logging
 import socket
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -47,6 +47,28 @@ async def _samples(h: Harness) -> Samples:
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
+
+
+async def _samples_once(
+    h: Harness, ready: Callable[[Samples], bool], within_s: float = 10.0
+) -> Samples:
+    """The samples as soon as ``ready`` holds for them: for what the server records after
+    the client is done (a cancelled stream ends on the server later), where any fixed
+    sleep is a guess that a loaded machine outlasts."""
+    async with asyncio.timeout(within_s):
+        # Polled: the metrics endpoint is what is under test, and it has no event to await.
+        while not ready(samples := await _samples(h)):  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    return samples
+
+
+def _subscribe_finished(samples: Samples) -> bool:
+    """Whether a SubscribeGroups call has finished, with any status."""
+    return any(
+        value > 0
+        for (name, labels), value in samples.items()
+        if name == "sessionrouter_rpc_requests_total" and ("method", SUBSCRIBE) in labels
+    )
 
 
 def _get(samples: Samples, name: str, **labels: str) -> float:
@@ -121,8 +143,9 @@ async def test_a_scripted_run_shows_rpc_refusal_and_group_metrics(
         assert _get(samples, "sessionrouter_feed_max_lag_groups") == 0
         assert _get(samples, "sessionrouter_rpc_streams_in_flight", method=SUBSCRIBE) == 1
         feed.cancel()
-        await asyncio.sleep(0.05)  # let the cancelled stream end on the server
-        samples = await _samples(h)
+        # The server ends the cancelled stream on its own time: its status count, recorded
+        # last, says when (whatever the status, which is checked below).
+        samples = await _samples_once(h, _subscribe_finished)
     finally:
         await stop_harness(h)
 

@@ -739,6 +739,10 @@ class SessionServicer(_Refusing, spb_grpc.SessionServiceServicer):
                 for message in self.feed_cache.messages(
                     rows, cursor, request.skip_degenerate, request.min_version, request.columnar
                 ):
+                    # Sent once yielded: gRPC resumes this generator only after the write,
+                    # when the client may already hold the message, so the lag gauges count
+                    # it from here, not from the resume.
+                    subscription.cursor = max(subscription.cursor, message.last_cursor)
                     yield message
                 cursor = subscription.cursor = int(rows[-1].cursors[-1])
         finally:
