@@ -38,6 +38,15 @@ async def refused(call: object) -> grpc.aio.AioRpcError:
     return info.value
 
 
+async def parked(h: Harness, call: asyncio.Future[spb.StartGroupResponse]) -> None:
+    """Returns once a start waits in the router for admission to change: the server has
+    ``call`` and refused it for now (the router's own count, no clock); fails if ``call``
+    ended first."""
+    while h.server.router.admission_waiting != 1:
+        assert not call.done(), f"the start ended without waiting: {call}"
+        await asyncio.sleep(0.005)
+
+
 def group_request(size: int = 2, *, wait: bool = False) -> spb.StartGroupRequest:
     return spb.StartGroupRequest(task_id="t", group_size=size, wait_for_admission=wait)
 
@@ -80,16 +89,20 @@ async def test_the_staleness_limit_refuses_with_retry_info_and_waits_on_request(
     )
     assert details_of(error).reason == "GROUP_FULL"  # refused for being full, not stale
     # Waiting: admitted as soon as the trainer steps.
-    waiting = asyncio.ensure_future(fleet.sessions.StartGroup(group_request(wait=True), timeout=5))
-    await asyncio.sleep(0.1)
+    waiting = asyncio.ensure_future(fleet.sessions.StartGroup(group_request(wait=True)))
+    await parked(fleet, waiting)
     assert not waiting.done()
     await fleet.sessions.SetTrainerState(spb.SetTrainerStateRequest(version=1))
-    admitted = await asyncio.wait_for(waiting, 2)
+    admitted = await waiting  # no deadline: it must be the step that admits it
     assert admitted.group.admitted_trainer_version == 1
+    assert fleet.server.router.admission_waiting == 0
     # Waiting within a deadline that passes gives the refusal, not a bare deadline.
     await fleet.sessions.StartGroup(group_request())
-    error = await refused(fleet.sessions.StartGroup(group_request(wait=True), timeout=0.5))
+    late = asyncio.ensure_future(fleet.sessions.StartGroup(group_request(wait=True), timeout=0.5))
+    await parked(fleet, late)
+    error = await refused(late)
     assert details_of(error).reason == "STALENESS_LIMIT"
+    assert fleet.server.router.admission_waiting == 0
 
 
 @pytest.mark.parametrize(

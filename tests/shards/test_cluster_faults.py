@@ -38,6 +38,12 @@ from ._cluster import Cluster, running
 
 N = 3
 ONE_TRY = RetryPolicy(max_attempts=1)
+UNTIL_BACK = RetryPolicy(max_attempts=1_000_000, max_backoff=1.0)
+"""Retries until the shard answers (with no call deadline: the test's timeout bounds it), at
+most 1 s apart. The default policy gives up after 12 attempts, about 15 s of waits on
+average and under 10 s one time in twenty, which a restart on a loaded machine (a new
+process, its journal, NATS, then the channel's own reconnect backoff of up to 5 s) outlasts:
+the call then fails with the channel's last error, "connection refused"."""
 STATIC_WORKERS = tuple(f"--worker=w{i}=10.0.0.{i}:1,100000" for i in range(4))
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -207,7 +213,9 @@ async def test_feed_outlives_a_restart_of_its_shard_and_of_nats(cluster: Cluster
                 arrived.clear()
                 await arrived.wait()
 
-    async with SessionRouterClient.connect(cluster.addresses) as client:
+    async with SessionRouterClient.connect(
+        cluster.addresses, retry_policy=UNTIL_BACK, default_timeout=None
+    ) as client:
 
         async def trainer() -> None:
             feed = client.subscribe_groups(on_retry=lambda n, error, *_: retries.append(str(error)))

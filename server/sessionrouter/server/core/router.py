@@ -220,6 +220,8 @@ class SessionRouter:
         self.weight_update: WeightUpdate | None = None
         """The weight update in progress, if any (its workers have ``updating_to`` set)."""
         self._admission_changed = asyncio.Event()
+        self.admission_waiting = 0
+        """Starts parked in ``start_when_admitted`` until admission changes (refused now)."""
         self.new_group_id: Callable[[], str] = _random_group_id
         """Makes the id of a group started without one (a sharded router mints ids it owns)."""
         self.foreign_reward: Callable[[str], RewardOutcome | None] | None = None
@@ -539,10 +541,13 @@ class SessionRouter:
                 remaining = give_up - loop.time()
                 if remaining <= 0:
                     raise
+                self.admission_waiting += 1
                 try:
                     await asyncio.wait_for(changed.wait(), remaining)
                 except TimeoutError:
                     raise error from None
+                finally:
+                    self.admission_waiting -= 1
 
     def _on_worker_lost(self, worker: WorkerRecord, sessions: set[SessionKey]) -> None:
         touched: dict[str, GroupRecord] = {}
