@@ -259,7 +259,7 @@ class ShardedRewardStream:
         ``shards_of_entries``), each shard's part goes on its stream, the parts concurrently,
         and ``statuses[i]`` answers entry i whatever its shard. Raises ValueError for arrays
         of unequal lengths before anything is sent, and a shard stream's error if it died
-        before its part was acknowledged."""
+        before its part was acknowledged, once every other shard's part has been answered."""
         values = np.asarray(rewards, dtype=np.float64)
         n = len(values)
         handle_array = None if handles is None else np.asarray(handles, dtype=np.uint64)
@@ -305,7 +305,14 @@ class ShardedRewardStream:
                     max_versions=part_of("max_versions", positions),
                 )
             )
-        acks = await asyncio.gather(*calls)
+        # Every shard's part runs to its end before a failure is raised (as in ``submit_many``),
+        # so what the live shards were given is acknowledged, not cut off by the close.
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        acks: list[RewardAckBatch] = []
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            acks.append(outcome)
         statuses = np.empty(n, dtype=np.uint8)
         detail_entries: list[npt.NDArray[np.int64]] = []
         details: list[str] = []
