@@ -8,7 +8,7 @@ the one ``add_insecure_port`` returned, never a port picked and released beforeh
 from __future__ import annotations
 
 import asyncio
-import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,20 +83,31 @@ async def stop_harness(h: Harness) -> None:
 
 
 class ControlledTables(JournalTables):
-    """Journal tables whose log writes a test can hold (``gate``) or fail (``failure``):
-    the journal's real seam for faults, a store passed in instead of the default one."""
+    """Journal tables whose batches a test can hold before they are durable (``gate``, on
+    the server's loop), whose log writes it can fail (``failure``) or whose fsync it can
+    fail (``sync_failure``): the journal's real seams for faults, a store passed in instead
+    of the default one."""
 
     def __init__(self, state_dir: Path, sync: SyncMode) -> None:
         super().__init__(state_dir, sync)
-        self.gate = threading.Event()
+        self.gate = asyncio.Event()
         self.gate.set()
         self.failure: BaseException | None = None
+        self.sync_failure: BaseException | None = None
 
     def append_log(self, data: bytes) -> int:
-        self.gate.wait(10)
         if self.failure is not None:
             raise self.failure
         return super().append_log(data)
+
+    def durable(self, sync: Callable[[], Awaitable[None]]) -> Awaitable[None]:
+        return self._held(sync)
+
+    async def _held(self, sync: Callable[[], Awaitable[None]]) -> None:
+        await asyncio.wait_for(self.gate.wait(), 10)
+        await sync()
+        if self.sync_failure is not None:
+            raise self.sync_failure
 
 
 class TablesOpener:

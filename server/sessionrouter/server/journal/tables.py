@@ -1,9 +1,11 @@
 """The journal's tables in SQLite: open and check the file, load the state back, apply a
 fold's row changes, append and read ``log`` rows, compact.
 
-Everything here is synchronous and runs on one thread at a time: the writer thread while the
-router serves, the caller's before (start-up) and in tools. ``JournalTables`` is also the
-seam for fault injection: a test passes a subclass whose writes fail.
+Everything here is synchronous and runs on one thread at a time: the event loop while the
+router serves, the caller's before (start-up) and in tools; only ``sync_log`` (one fdatasync
+of the WAL) runs on the journal's fsync thread meanwhile. ``JournalTables`` is also the seam
+for fault injection: a test passes a subclass whose writes fail or whose durability step it
+holds (``durable``).
 
 It is over 500 lines because it is the one place that issues SQL against the file: splitting
 load from apply would spread the statements that must agree with ``schema`` over two modules.
@@ -20,6 +22,7 @@ import os
 import pickle
 import sqlite3
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +101,7 @@ class JournalTables:
         self.sync = sync
         self._closed = False
         self._lock_fd = -1
+        self._wal_fd = -1
         self._lock_fd = self._lock()
         self.files = StateFiles(self.state_dir)
         """IDENTITY and COMMITTED, the journal's memory outside the database."""
@@ -347,6 +351,9 @@ class JournalTables:
         self._closed = True
         with contextlib.suppress(sqlite3.Error):
             self._con.close()
+        if self._wal_fd >= 0:
+            os.close(self._wal_fd)
+            self._wal_fd = -1
         self.files.close()
         self._unlock()
 
@@ -512,6 +519,29 @@ class JournalTables:
                     self._con.execute("ROLLBACK")
             raise
         return cursor.lastrowid or 0
+
+    def sync_separately(self) -> None:
+        """From now on commits only reach the WAL (``synchronous=NORMAL``) and the caller
+        makes them durable with ``sync_log``: the INSERT of a batch then costs the event
+        loop tens of microseconds and the fsync runs on another thread. Before this (opening,
+        tools) every commit is fsync'd as ``sync`` says."""
+        wal = Path(f"{self.path}-wal")
+        try:
+            self._wal_fd = os.open(wal, os.O_RDONLY)
+        except OSError as exc:
+            raise JournalError(self.path, f"its WAL cannot be opened ({exc.strerror})") from None
+        self._con.execute("PRAGMA synchronous=NORMAL")
+
+    def sync_log(self) -> None:
+        """fdatasync of the WAL: every commit written to it so far is durable once this
+        returns (a checkpoint syncs the WAL before it copies it, so nothing older is at risk).
+        Releases the GIL; safe on another thread while the loop writes."""
+        os.fdatasync(self._wal_fd)
+
+    def durable(self, sync: Callable[[], Awaitable[None]]) -> Awaitable[None]:
+        """The durability step of one batch: ``sync()`` resolves once the WAL is fsync'd.
+        The fault seam: a test's subclass holds or fails it here."""
+        return sync()
 
     def apply(self, changes: RowChanges, fold_log_upto: int = 0) -> int:
         """Applies a fold's row changes in one transaction (all or nothing), deleting the

@@ -1,24 +1,24 @@
-"""Group commit: the event loop appends, one writer thread makes batches durable.
+"""Group commit: the event loop appends and writes, one thread fsyncs.
 
-The event loop only appends events to a list (``append``, about 0.1 us). A caller that must
-not reply before its changes are durable awaits ``commit()``. One writer thread writes one
-batch at a time; everything appended while it writes forms the next batch, so N concurrent
-callers share one fsync instead of paying N. An idle writer gets the batch at the next turn
-of the loop, so the calls the loop runs in one turn share a batch too.
+The event loop appends events to a list (``append``, about 0.1 us). A caller that must not
+reply before its changes are durable awaits ``commit()``. One batch is in flight at a time;
+everything appended meanwhile forms the next batch, so N concurrent callers share one fsync
+instead of paying N. An idle journal starts the batch at the next turn of the loop, so the
+calls the loop runs in one turn share a batch too.
 
-A batch is made durable by ONE autocommit ``INSERT`` of the encoded batch into ``log`` (one
-step, fsync included, GIL released throughout), and the writer folds the log into the
-tables every ``FOLD_EVENTS`` events (or when idle), in one transaction that also deletes the
-folded rows (see the package docstring for why). Opening a journal folds what a crash left
-in ``log`` before anything else.
+A batch is written by the loop itself: ONE autocommit ``INSERT`` of the encoded batch into
+``log`` with ``synchronous=NORMAL``, which only reaches the WAL in the page cache (tens of
+microseconds). With ``sync=full`` the batch's waiters are answered once the fsync thread's
+``fdatasync`` of the WAL returns (``FsyncThread``); with ``normal`` at the next turn of the
+loop. Every ``FOLD_EVENTS`` events (or when idle) the loop folds the log into the tables
+between two batches, in one transaction that also deletes the folded rows (see the package
+docstring for why; about 20 ms every 16k events, which the next batch waits for). Opening a
+journal folds what a crash left in ``log`` before anything else.
 
-The thread runs as little Python per batch as it can: the loop encodes the batch when it
-hands it over and does the bookkeeping (COMMITTED, counters, metrics) when the thread reports
-it durable. Each time the thread needs the GIL back while the loop is busy, it waits up to
-the interpreter's switch interval (5 ms); so per batch it takes the GIL only to wake up, to
-come back from the INSERT and to report. Measured under StartSession load (ghz, 64 in
-flight): encoding, the COMMITTED write and the metrics on the thread made every call cost
-the router 35-40% more CPU than without a journal; done on the loop, about 8% more.
+Why not a writer thread that runs the INSERT: batches under StartSession load are small (1
+to 5 calls), so the hand-over to a thread that needs the GIL back to wake up, to return from
+the INSERT and to report (each up to the 5 ms switch interval while the loop is busy) was
+paid every few calls; the fsync thread needs it only around a GIL-free ``fdatasync``.
 """
 
 from __future__ import annotations
@@ -26,10 +26,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
-import queue
 import sqlite3
-import threading
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from pathlib import Path
@@ -39,6 +38,7 @@ from sessionrouter.server.core.errors import Unavailable
 from sessionrouter.server.core.events import Event, GroupFinalized, RecoveredState, RewardSaved
 from sessionrouter.server.journal.errors import JournalError
 from sessionrouter.server.journal.fold import Rewards, fold
+from sessionrouter.server.journal.fsync_thread import FsyncThread
 from sessionrouter.server.journal.logrows import Batch, Finalized, LoggedEvent
 from sessionrouter.server.journal.tables import JournalTables, SyncMode
 
@@ -53,9 +53,9 @@ FOLD_EVENTS = 16_384
 fold are amortised over many batches, small enough that a fold (about 20 ms) does not hold
 the next batch up for long, and that opening after a crash folds little."""
 FOLD_IDLE_S = 0.05
-"""A writer with nothing to write for this long folds what the log holds."""
+"""A journal with nothing to write for this long folds what the log holds."""
 DISK_FULL_RETRY_S = 0.5
-"""How often a writer whose disk is full tries the same batch again."""
+"""How often a journal whose disk is full tries the same batch (or fold) again."""
 
 
 def is_disk_full(error: BaseException) -> bool:
@@ -88,10 +88,10 @@ class SqliteJournal:
     """The journal of one state directory: a ``JournalSink`` with group commit.
 
     Life cycle: construct (opens, checks or creates the file, takes the lock, folds what a
-    crash left in the log), ``load()`` the state (start-up only), ``start()`` the writer
-    thread on the running loop, then ``append`` and ``commit`` from the loop; ``close()``
+    crash left in the log), ``load()`` the state (start-up only), ``start()`` on the running
+    loop (starts the fsync thread), then ``append`` and ``commit`` from the loop; ``close()``
     flushes and releases everything. ``write_pending()`` applies what was appended
-    synchronously, for tools and tests that run no writer.
+    synchronously, for tools and tests that never start the journal.
     """
 
     def __init__(
@@ -123,16 +123,15 @@ class SqliteJournal:
         """Called on the loop after each batch is durable, with the seconds the write (and
         its fsync) took, its events and its encoded bytes (metrics)."""
         self._closed = False
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        """Set by close(): a writer waiting for disk space gives up."""
+        self._stopping = False
+        """Set by close(): a batch waiting for disk space gives up."""
         self._full_reported = False
-        """Writer thread: the current lack of space was reported."""
+        """The current lack of space was reported."""
         self._tables = open_tables(Path(state_dir), sync)
         self.state_dir = self._tables.state_dir
         self.path = self._tables.path
         self._unfolded = Batch()
-        """What the ``log`` rows not folded yet hold (writer thread only)."""
+        """What the ``log`` rows not folded yet hold."""
         self._last_log_id = 0
         self._fold_log_left_by_a_crash()
         try:
@@ -141,17 +140,23 @@ class SqliteJournal:
             self.close_now()
             raise
         self._durable_events = self._tables.events
-        """Events durable so far, folded or in the log (only the writer changes it)."""
-        # Loop side.
+        """Events durable so far, folded or in the log."""
+        # Started on the loop.
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._fsync: FsyncThread | None = None
         self._pending = Batch()
         self._next: asyncio.Future[None] | None = None
         self._inflight: asyncio.Future[None] | None = None
         self._done: asyncio.Future[None] | None = None
         self._error: Unavailable | None = None
-        self._queue: queue.SimpleQueue[tuple[Batch, bytes, asyncio.Future[None]] | None] = (
-            queue.SimpleQueue()
-        )
+        self._held: tuple[Batch, bytes, asyncio.Future[None], BaseException] | None = None
+        """The batch whose INSERT failed for lack of space, retried by ``_retry``."""
+        self._retry: asyncio.TimerHandle | None = None
+        self._idle: asyncio.TimerHandle | None = None
+        self._last_write = 0.0
+        """Loop time of the last durable batch (idle fold)."""
+        self._fold_not_before = 0.0
+        """Loop time before which a fold that failed for lack of space is not tried again."""
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -183,14 +188,15 @@ class SqliteJournal:
     # -- the event loop side -----------------------------------------------------------------
 
     def start(self) -> None:
-        """Starts the writer thread, bound to the running loop."""
-        if self._thread is not None:
+        """Binds the journal to the running loop and starts the fsync thread (``full``)."""
+        if self._loop is not None:
             raise RuntimeError("journal already started")
+        self._tables.sync_separately()
         self._loop = asyncio.get_running_loop()
         self._done = self._loop.create_future()
         self._done.set_result(None)
-        self._thread = threading.Thread(target=self._run_writer, name="journal", daemon=True)
-        self._thread.start()
+        if self.sync is SyncMode.FULL:
+            self._fsync = FsyncThread(self._tables.sync_log, self._loop)
 
     def append(self, event: Event) -> None:
         if type(event) is RewardSaved:
@@ -208,7 +214,7 @@ class SqliteJournal:
         """Resolves once everything appended so far is durable; raises Unavailable once the
         journal has failed (the router then stops: it can no longer promise anything).
 
-        An idle writer is handed the batch at the next turn of the loop, not at once: the
+        An idle journal starts the batch at the next turn of the loop, not at once: the
         other calls the loop runs in this turn join it and share its write."""
         if self._error is not None:
             raise self._error
@@ -226,8 +232,8 @@ class SqliteJournal:
 
     def kick(self) -> None:
         """Starts writing what was appended without anyone committing (worker-lost marks
-        from the expiry tick), if the writer is idle."""
-        if self._thread is not None:
+        from the expiry tick), if no batch is in flight."""
+        if self._loop is not None:
             self._dispatch_if_idle()
 
     @property
@@ -245,9 +251,7 @@ class SqliteJournal:
             self._dispatch()
 
     def _dispatch(self) -> None:
-        """Hands the pending batch to the writer thread, encoded: all the Python work of a
-        batch is done here, so the thread only runs the INSERT (without the GIL) and
-        reports back."""
+        """Writes the pending batch into the log and starts its durability step."""
         assert self._loop is not None
         events, self._pending = self._pending, Batch()
         batch = self._next if self._next is not None else self._loop.create_future()
@@ -256,7 +260,50 @@ class SqliteJournal:
         events.events = [
             Finalized.of(e) if isinstance(e, GroupFinalized) else e for e in events.events
         ]
-        self._queue.put((events, events.encode(), batch))
+        self._write(events, events.encode(), batch)
+
+    def _write(self, events: Batch, row: bytes, batch: asyncio.Future[None]) -> None:
+        assert self._loop is not None
+        started = time.perf_counter()
+        try:
+            self._last_log_id = self._tables.append_log(row) or self._last_log_id
+        except BaseException as exc:  # every failure must reach the waiters
+            if is_disk_full(exc) and not self._stopping:
+                self._report_full(exc)
+                self._held = (events, row, batch, exc)
+                self._retry = self._loop.call_later(DISK_FULL_RETRY_S, self._retry_held)
+                return
+            self._written(batch, exc)
+            return
+        self._space_back()
+        self._unfolded.extend(events)
+        step = asyncio.ensure_future(self._tables.durable(self._sync))
+        step.add_done_callback(
+            functools.partial(self._synced, batch, started, len(events), len(row))
+        )
+
+    def _sync(self) -> asyncio.Future[None]:
+        if self._fsync is not None:
+            return self._fsync.request()
+        assert self._done is not None
+        return self._done  # ``normal``: in the page cache is as far as it goes
+
+    def _retry_held(self) -> None:
+        self._retry = None
+        held, self._held = self._held, None
+        if held is not None and self._error is None:
+            self._write(*held[:3])
+
+    def _synced(
+        self,
+        batch: asyncio.Future[None],
+        started: float,
+        events: int,
+        size: int,
+        step: asyncio.Future[None],
+    ) -> None:
+        error = asyncio.CancelledError() if step.cancelled() else step.exception()
+        self._written(batch, error, time.perf_counter() - started, events, size)
 
     def _written(
         self,
@@ -266,10 +313,10 @@ class SqliteJournal:
         events: int = 0,
         size: int = 0,
     ) -> None:
-        """On the loop, from the writer thread: ``batch`` (``events`` events, ``size``
-        encoded bytes) is in the log after ``seconds``, or ``error`` stopped the writer. The
-        bookkeeping of a durable batch (COMMITTED, counters, metrics) is done here rather
-        than on the thread, which would wait for the GIL for each of them."""
+        """``batch`` (``events`` events, ``size`` encoded bytes) is durable after
+        ``seconds``, or ``error`` stopped the journal. Folds when due, between two batches,
+        then starts the next one."""
+        assert self._loop is not None
         if batch is not None:
             self._inflight = None
         if error is None:
@@ -284,8 +331,15 @@ class SqliteJournal:
                 if self.on_commit is not None:
                     self.on_commit(seconds, events, size)
                 batch.set_result(None)
+                self._last_write = self._loop.time()
+                if len(self._unfolded) >= self.fold_events:
+                    self._fold_on_loop(carry=True)
+                if self._error is not None:
+                    return
                 if self._pending:
                     self._dispatch()
+                elif self._unfolded and self._idle is None:
+                    self._idle = self._loop.call_later(FOLD_IDLE_S, self._fold_if_idle)
                 return
         if self._error is not None:
             return
@@ -307,18 +361,58 @@ class SqliteJournal:
         for callback in self.on_failure:
             callback(error)
 
+    def _fold_if_idle(self) -> None:
+        assert self._loop is not None
+        self._idle = None
+        if self._error is not None or self._stopping or not self._unfolded:
+            return
+        wait = self._last_write + FOLD_IDLE_S - self._loop.time()
+        if self._inflight is not None or self._pending or wait > 0:
+            self._idle = self._loop.call_later(max(wait, FOLD_IDLE_S / 5), self._fold_if_idle)
+            return
+        self._fold_on_loop(carry=False)
+
+    def _fold_on_loop(self, carry: bool) -> None:
+        """Folds between two batches; a fold that fails for lack of space is tried again
+        later (the log still holds every batch), any other failure stops the journal."""
+        assert self._loop is not None
+        if self._loop.time() < self._fold_not_before:
+            return
+        try:
+            self._fold(carry)
+        except BaseException as exc:
+            if is_disk_full(exc):
+                self._report_full(exc)
+                self._fold_not_before = self._loop.time() + DISK_FULL_RETRY_S
+                return
+            self._written(None, exc)
+
     async def close(self) -> None:
-        """Writes what is pending, stops the writer and closes the file. Safe to call twice."""
+        """Writes what is pending, stops the fsync thread and closes the file. Safe to call
+        twice."""
         if self._closed:
             return
-        if self._thread is not None:
+        if self._loop is not None:
             if self._error is None and not self.disk_full:
                 with contextlib.suppress(Unavailable):
                     self.kick()
                     await self.commit()
-            self._stopping.set()
-            self._queue.put(None)
-            await asyncio.to_thread(self._thread.join)
+            self._stopping = True
+            for timer in (self._retry, self._idle):
+                if timer is not None:
+                    timer.cancel()
+            if self._held is not None:  # no space to the end: its waiters are told
+                _, _, batch, error = self._held
+                self._held = None
+                self._written(batch, error)
+            if self._inflight is not None:  # its durability step was cut short by a failure
+                with contextlib.suppress(BaseException):
+                    await _Durable(self._inflight)
+            if self._fsync is not None:
+                await self._fsync.stop()
+            if self._error is None:
+                with contextlib.suppress(BaseException):  # a clean stop leaves an empty log
+                    self._fold(carry=False)
         self.close_now()
 
     def close_now(self) -> None:
@@ -328,68 +422,21 @@ class SqliteJournal:
         self._closed = True
         self._tables.close()
 
-    # -- the writer thread -------------------------------------------------------------------
-
-    def _run_writer(self) -> None:
-        while True:
-            idle = False
-            try:
-                item = self._queue.get(timeout=FOLD_IDLE_S if self._unfolded else None)
-            except queue.Empty:
-                item, idle = None, True
-            if item is None and not idle:
-                break
-            if item is not None:
-                events, row, batch = item
-                error: BaseException | None = None
-                started = time.perf_counter()
-                while True:
-                    try:
-                        self._last_log_id = self._tables.append_log(row) or self._last_log_id
-                    except BaseException as exc:  # every failure must reach the waiters
-                        if is_disk_full(exc) and self._wait_for_space(exc):
-                            continue
-                        error = exc
-                    break
-                seconds = time.perf_counter() - started
-                self._space_back()
-                if error is None:
-                    self._unfolded.extend(events)
-                if not self._notify(batch, error, seconds, len(events), len(row)):
-                    return
-                if error is not None:
-                    return
-            if len(self._unfolded) >= self.fold_events or (idle and self._unfolded):
-                try:
-                    self._fold(carry=not idle)
-                except BaseException as exc:  # the batches are safe in the log
-                    if is_disk_full(exc) and self._wait_for_space(exc):
-                        continue  # folded again later; the log still holds every batch
-                    self._notify(None, exc)
-                    return
-        with contextlib.suppress(BaseException):  # a clean stop leaves an empty log
-            self._fold(carry=False)
-
-    def _wait_for_space(self, error: BaseException) -> bool:
-        """After a write failed for lack of space: says so once, waits, and returns True to
-        try again (False when the loop is gone or the journal is closing)."""
-        if not self._full_reported:
-            self._full_reported = True
-            log.error(
-                "disk full: the journal %s cannot be written (%s); nothing is acknowledged"
-                " until it can, retrying every %.1f s",
-                self.path,
-                error,
-                DISK_FULL_RETRY_S,
-                extra={"event": "journal_disk_full", "path": str(self.path)},
-            )
-            assert self._loop is not None
-            try:
-                self._loop.call_soon_threadsafe(self._set_disk_full, True)
-            except RuntimeError:
-                return False
-        time.sleep(DISK_FULL_RETRY_S)
-        return not self._stopping.is_set()
+    def _report_full(self, error: BaseException) -> None:
+        """After a write failed for lack of space: says so once, and the router stops
+        serving until one succeeds."""
+        if self._full_reported:
+            return
+        self._full_reported = True
+        log.error(
+            "disk full: the journal %s cannot be written (%s); nothing is acknowledged"
+            " until it can, retrying every %.1f s",
+            self.path,
+            error,
+            DISK_FULL_RETRY_S,
+            extra={"event": "journal_disk_full", "path": str(self.path)},
+        )
+        self._set_disk_full(True)
 
     def _space_back(self) -> None:
         if self._full_reported:
@@ -398,29 +445,12 @@ class SqliteJournal:
                 "journal writable again",
                 extra={"event": "journal_disk_writable", "path": str(self.path)},
             )
-            assert self._loop is not None
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self._set_disk_full, False)
+            self._set_disk_full(False)
 
     def _set_disk_full(self, full: bool) -> None:
         self.disk_full = full
         for callback in self.on_disk_full:
             callback(full)
-
-    def _notify(
-        self,
-        batch: asyncio.Future[None] | None,
-        error: BaseException | None,
-        seconds: float = 0.0,
-        events: int = 0,
-        size: int = 0,
-    ) -> bool:
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(self._written, batch, error, seconds, events, size)
-        except RuntimeError:  # the loop is closed: nobody is waiting any more
-            return False
-        return True
 
     def _fold(self, carry: bool) -> None:
         """Folds the log into the tables; under load (``carry``) the rewards of groups still
@@ -441,10 +471,10 @@ class SqliteJournal:
         self._compact_if_due()
 
     def log_pending(self) -> None:
-        """Makes what was appended durable as the writer thread does, as one ``log`` row,
+        """Makes what was appended durable as a started journal does, as one ``log`` row,
         without folding it: for tests of what a crash leaves behind."""
-        if self._thread is not None:
-            raise RuntimeError("the writer thread owns the journal")
+        if self._loop is not None:
+            raise RuntimeError("the started journal owns its writes")
         pending, self._pending = self._pending, Batch()
         pending.events = [
             Finalized.of(e) if isinstance(e, GroupFinalized) else e for e in pending.events
@@ -457,9 +487,9 @@ class SqliteJournal:
 
     def write_pending(self) -> None:
         """Writes what was appended, synchronously on the calling thread, and compacts if
-        due: for tools and tests that run no writer thread (never while one runs)."""
-        if self._thread is not None:
-            raise RuntimeError("the writer thread owns the journal")
+        due: for tools and tests that never start the journal."""
+        if self._loop is not None:
+            raise RuntimeError("the started journal owns its writes")
         pending, self._pending = self._pending, Batch()
         self.write(pending.events, pending.rewards())
         self._durable_events += len(pending)
