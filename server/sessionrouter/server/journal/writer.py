@@ -28,6 +28,7 @@ import contextlib
 import errno
 import functools
 import logging
+import os
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
@@ -38,6 +39,7 @@ from sessionrouter.server.core.errors import Unavailable
 from sessionrouter.server.core.events import Event, GroupFinalized, RecoveredState, RewardSaved
 from sessionrouter.server.journal.errors import JournalError
 from sessionrouter.server.journal.fold import Rewards, fold
+from sessionrouter.server.journal.fsync_child import FsyncChild
 from sessionrouter.server.journal.fsync_thread import FsyncThread
 from sessionrouter.server.journal.logrows import Batch, Finalized, LoggedEvent
 from sessionrouter.server.journal.tables import JournalTables, SyncMode
@@ -143,7 +145,7 @@ class SqliteJournal:
         """Events durable so far, folded or in the log."""
         # Started on the loop.
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._fsync: FsyncThread | None = None
+        self._fsync: FsyncThread | FsyncChild | None = None
         self._pending = Batch()
         self._next: asyncio.Future[None] | None = None
         self._inflight: asyncio.Future[None] | None = None
@@ -196,7 +198,10 @@ class SqliteJournal:
         self._done = self._loop.create_future()
         self._done.set_result(None)
         if self.sync is SyncMode.FULL:
-            self._fsync = FsyncThread(self._tables.sync_log, self._loop)
+            if os.environ.get("SR_FSYNC") == "child":
+                self._fsync = FsyncChild(self._tables.wal_fd, self._loop)
+            else:
+                self._fsync = FsyncThread(self._tables.sync_log, self._loop)
 
     def append(self, event: Event) -> None:
         if type(event) is RewardSaved:
@@ -277,7 +282,8 @@ class SqliteJournal:
             return
         self._space_back()
         self._unfolded.extend(events)
-        step = asyncio.ensure_future(self._tables.durable(self._sync))
+        durable = self._tables.durable(self._sync)
+        step = durable if isinstance(durable, asyncio.Future) else asyncio.ensure_future(durable)
         step.add_done_callback(
             functools.partial(self._synced, batch, started, len(events), len(row))
         )
