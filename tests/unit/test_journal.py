@@ -28,7 +28,9 @@ from sessionrouter.server.journal import (
     JOURNAL_FILE,
     SCHEMA_VERSION,
     JournalError,
+    JournalTables,
     SqliteJournal,
+    SyncMode,
 )
 from sessionrouter.server.journal.integrity import COMMITTED_FILE
 from tests.support import TablesOpener
@@ -358,6 +360,71 @@ async def test_a_failed_write_fails_every_waiter_and_every_later_commit(tmp_path
     journal.append(WorkerSaved("w2", "a:1", 1, {}, False, 0.0))
     with pytest.raises(Unavailable):
         await journal.commit()
+    await journal.close()
+
+
+class _HeldFsync(JournalTables):
+    """Tables whose WAL fsync waits for ``release`` and records the thread it ran on."""
+
+    def __init__(self, state_dir: Path, sync: SyncMode) -> None:
+        super().__init__(state_dir, sync)
+        self.release = threading.Event()
+        self.fsync_threads: list[str] = []
+        self.insert_threads: list[str] = []
+
+    def append_log(self, data: bytes) -> int:
+        self.insert_threads.append(threading.current_thread().name)
+        return super().append_log(data)
+
+    def sync_log(self) -> None:
+        self.release.wait(10)
+        self.fsync_threads.append(threading.current_thread().name)
+        super().sync_log()
+
+
+async def test_a_batch_is_written_on_the_loop_and_acknowledged_after_the_wal_fsync(
+    tmp_path: Path,
+) -> None:
+    opened: list[_HeldFsync] = []
+
+    def open_tables(state_dir: Path, sync: SyncMode) -> JournalTables:
+        opened.append(_HeldFsync(state_dir, sync))
+        return opened[-1]
+
+    journal = SqliteJournal(tmp_path, open_tables=open_tables)
+    journal.start()
+    journal.append(WorkerSaved("w", "a:1", 1, {}, False, 0.0))
+    durable = asyncio.ensure_future(journal.commit())
+    await asyncio.sleep(0.2)
+    tables = opened[-1]
+    assert tables.insert_threads == [threading.current_thread().name]
+    assert not durable.done(), "acknowledged before the WAL was fsync'd"
+    tables.release.set()
+    await asyncio.wait_for(durable, 5)
+    assert tables.fsync_threads == ["journal-fsync"]
+    assert journal.batches == 1
+    await journal.close()
+    reopened = SqliteJournal(tmp_path)
+    assert [w.worker_id for w in reopened.load().workers] == ["w"]
+    reopened.close_now()
+
+
+async def test_a_failed_fsync_fails_every_waiter_and_stops_the_journal(tmp_path: Path) -> None:
+    opener = TablesOpener()
+    journal = SqliteJournal(tmp_path, open_tables=opener)
+    failures: list[BaseException] = []
+    journal.on_failure.append(failures.append)
+    journal.start()
+    opener.opened.sync_failure = OSError(5, "Input/output error")
+    journal.append(WorkerSaved("w", "a:1", 1, {}, False, 0.0))
+    first = journal.commit()
+    journal.append(WorkerSaved("w2", "a:1", 1, {}, False, 0.0))
+    second = journal.commit()
+    for waiter in (first, second):
+        with pytest.raises(Unavailable) as info:
+            await waiter
+        assert info.value.reason == "JOURNAL_FAILED" and "Input/output error" in info.value.message
+    assert journal.failed and len(failures) == 1 and journal.batches == 0
     await journal.close()
 
 

@@ -532,12 +532,6 @@ class JournalTables:
             raise JournalError(self.path, f"its WAL cannot be opened ({exc.strerror})") from None
         self._con.execute("PRAGMA synchronous=NORMAL")
 
-    @property
-    def wal_fd(self) -> int:
-        """The read-only descriptor of the WAL that ``sync_log`` fsyncs (-1 before
-        ``sync_separately``)."""
-        return self._wal_fd
-
     def sync_log(self) -> None:
         """fdatasync of the WAL: every commit written to it so far is durable once this
         returns (a checkpoint syncs the WAL before it copies it, so nothing older is at risk).

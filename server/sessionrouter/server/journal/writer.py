@@ -28,7 +28,6 @@ import contextlib
 import errno
 import functools
 import logging
-import os
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
@@ -39,7 +38,6 @@ from sessionrouter.server.core.errors import Unavailable
 from sessionrouter.server.core.events import Event, GroupFinalized, RecoveredState, RewardSaved
 from sessionrouter.server.journal.errors import JournalError
 from sessionrouter.server.journal.fold import Rewards, fold
-from sessionrouter.server.journal.fsync_child import FsyncChild
 from sessionrouter.server.journal.fsync_thread import FsyncThread
 from sessionrouter.server.journal.logrows import Batch, Finalized, LoggedEvent
 from sessionrouter.server.journal.tables import JournalTables, SyncMode
@@ -145,7 +143,7 @@ class SqliteJournal:
         """Events durable so far, folded or in the log."""
         # Started on the loop.
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._fsync: FsyncThread | FsyncChild | None = None
+        self._fsync: FsyncThread | None = None
         self._pending = Batch()
         self._next: asyncio.Future[None] | None = None
         self._inflight: asyncio.Future[None] | None = None
@@ -198,10 +196,7 @@ class SqliteJournal:
         self._done = self._loop.create_future()
         self._done.set_result(None)
         if self.sync is SyncMode.FULL:
-            if os.environ.get("SR_FSYNC") == "child":
-                self._fsync = FsyncChild(self._tables.wal_fd, self._loop)
-            else:
-                self._fsync = FsyncThread(self._tables.sync_log, self._loop)
+            self._fsync = FsyncThread(self._tables.sync_log, self._loop)
 
     def append(self, event: Event) -> None:
         if type(event) is RewardSaved:
