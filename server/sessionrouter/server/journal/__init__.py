@@ -35,9 +35,10 @@ Durability (``sync``):
 - ``full`` (default): every batch's INSERT is followed by an fdatasync of the WAL on the
   journal's fsync thread, and its callers are answered when that returns: once per batch
   (opening and tools commit with ``PRAGMA synchronous=FULL``). An acknowledged change
-  survives ``kill -9``, an OS crash and a power loss. Measured here the fsync adds 0.2 to 0.4 ms of latency per batch and no measurable
-  throughput cost (rewards/s with ``full`` and ``normal`` within 1%, 80.1k against 79.6k):
-  group commit amortises it, so the stronger promise is the default.
+  survives ``kill -9``, an OS crash and a power loss. Measured here the fsync adds 0.2 to
+  0.4 ms of latency per batch and no measurable throughput cost (rewards/s with ``full``
+  and ``normal`` within 1%, 80.1k against 79.6k): group commit amortises it, so the
+  stronger promise is the default.
 - ``normal``: ``PRAGMA synchronous=NORMAL`` (WAL): commits reach the OS page cache but are
   fsync'd only at checkpoints. An acknowledged change survives ``kill -9`` of the router (the
   kernel still writes the file), but an OS crash or power loss can lose the last
