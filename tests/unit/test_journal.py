@@ -345,11 +345,19 @@ async def test_a_commit_covers_what_was_appended_before_it_only(tmp_path: Path) 
     reopened.close_now()
 
 
-async def test_a_failed_write_fails_every_waiter_and_every_later_commit(tmp_path: Path) -> None:
+def _controlled_journal(
+    tmp_path: Path,
+) -> tuple[SqliteJournal, TablesOpener, list[BaseException]]:
+    """A journal on ControlledTables, with the failures it reports."""
     opener = TablesOpener()
     journal = SqliteJournal(tmp_path, open_tables=opener)
     failures: list[BaseException] = []
     journal.on_failure.append(failures.append)
+    return journal, opener, failures
+
+
+async def test_a_failed_write_fails_every_waiter_and_every_later_commit(tmp_path: Path) -> None:
+    journal, opener, failures = _controlled_journal(tmp_path)
     opener.opened.failure = sqlite3.OperationalError("disk I/O error")
     journal.start()
     journal.append(WorkerSaved("w", "a:1", 1, {}, False, 0.0))
@@ -410,10 +418,7 @@ async def test_a_batch_is_written_on_the_loop_and_acknowledged_after_the_wal_fsy
 
 
 async def test_a_failed_fsync_fails_every_waiter_and_stops_the_journal(tmp_path: Path) -> None:
-    opener = TablesOpener()
-    journal = SqliteJournal(tmp_path, open_tables=opener)
-    failures: list[BaseException] = []
-    journal.on_failure.append(failures.append)
+    journal, opener, failures = _controlled_journal(tmp_path)
     journal.start()
     opener.opened.sync_failure = OSError(5, "Input/output error")
     journal.append(WorkerSaved("w", "a:1", 1, {}, False, 0.0))
