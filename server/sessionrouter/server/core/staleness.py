@@ -91,6 +91,10 @@ class StalenessPolicy:
     max_staleness: int
     batch_size: int
 
+    def limit(self, version: int) -> int:
+        """``(v + k + 1) * B``: how many groups may count against the rule at version v."""
+        return (version + self.max_staleness + 1) * self.batch_size
+
     def __post_init__(self) -> None:
         if not 1 <= self.batch_size <= MAX_BATCH_SIZE:
             raise InvalidArgument(
@@ -154,9 +158,7 @@ class StalenessGate:
     @property
     def limit(self) -> int:
         """``(v + k + 1) * B``; 0 without a policy."""
-        if self.policy is None:
-            return 0
-        return (self.version + self.policy.max_staleness + 1) * self.policy.batch_size
+        return 0 if self.policy is None else self.policy.limit(self.version)
 
     @property
     def in_flight(self) -> int:

@@ -101,9 +101,9 @@ class FleetState:
 
     @property
     def limit(self) -> int:
-        return (
-            0 if not self.batch_size else (self.version + self.max_staleness + 1) * self.batch_size
-        )
+        """``(v + k + 1) * B`` of the fleet's policy; 0 without one."""
+        policy = self.policy
+        return 0 if policy is None else policy.limit(self.version)
 
     @property
     def free(self) -> int:
