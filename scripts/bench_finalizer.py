@@ -16,7 +16,7 @@ an order that rotates from round to round, so that drifting load hits each of th
 - ``kernel``: the row-path estimator alone (``ROW_ESTIMATORS["grpo"]``) on the (G, n) matrix.
 - ``finalizer``: the finalizer's path, rewards in, results out, no journal: from the groups
   as the router queues them (rewards recorded in their arena rows by
-  ``GroupLedger.record_reward``, one ``FinishedGroup`` per group handed to ``submit`` by the
+  ``GroupLedger.record_rewards``, one ``FinishedGroup`` per group handed to ``submit`` by the
   router's ``_finish``) to the results on the feed: ``reduce_queued`` (gather of the rows,
   finiteness check, reduction, cursors, filter-metric rule, rows released) and
   ``publish_batch`` (the feed retains the ``FinalizedBatch``, the groups' cursors become
@@ -127,7 +127,7 @@ class RouterState:
 
     def reset(self) -> None:
         """Back to "every reward recorded, nothing finalized": fresh arena rows holding the
-        rewards, as ``GroupLedger.add_group`` and ``record_reward`` left them."""
+        rewards, as ``GroupLedger.add_group`` and ``record_rewards`` left them."""
         arena = RewardArena(self.arena.width, capacity=len(self.groups))
         for group in self.groups:
             group.arena, group.arena_row = arena, arena.allocate()
@@ -136,7 +136,8 @@ class RouterState:
 
 
 def build_state(matrix: NDArray[np.float64]) -> RouterState:
-    """G groups of n members through the ledger, every reward recorded by ``record_reward``."""
+    """G groups of n members through the ledger, each group's rewards recorded by
+    ``record_rewards``."""
     n_groups, n = matrix.shape
     ledger = GroupLedger(finished_retention=n_groups)
     settings = GroupSettings(PARAMS, deadline_s=600.0, min_members=2)
@@ -151,7 +152,7 @@ def build_state(matrix: NDArray[np.float64]) -> RouterState:
             group.members.append(session)
             session.reward, session.state = reward, SessionState.REWARDED
             group.rewarded += 1
-            ledger.record_reward(group, session)
+        ledger.record_rewards(group, group.members, metrics=False)
         groups.append(group)
         finished.append(
             FinishedGroup(group, GroupOutcome.COMPLETE, tuple(group.members), (), 0.0, None)

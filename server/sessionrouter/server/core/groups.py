@@ -472,31 +472,16 @@ class GroupLedger:
             known = self._reduce_keys[key] = len(self._reduce_keys)
         # Past the bound (callers inventing params), a group is reduced by the general path.
         group.reduce_key = -1 if known is None else known
-        for session in group.members:
-            if session.state is SessionState.REWARDED:
-                self.record_reward(group, session)
-
-    def record_reward(self, group: GroupRecord, session: SessionRecord) -> None:
-        """Copies the reward (and filter metric) just set on ``session``, a member of the open
-        ``group``, into the group's arena row."""
-        arena = group.arena
-        if arena is None:
-            raise ValueError(f"group {group.group_id!r} is not open")
-        slot = member_slots(group)[session.index] if group.replaced else session.index
-        arena.values[group.arena_row, slot] = session.reward
-        if session.filter_metric is not None:
-            arena.metrics[group.arena_row, slot] = session.filter_metric
-            group.with_metrics += 1
-        if session.min_version < group.counted_min_version:
-            group.counted_min_version = session.min_version
-        if session.max_version > group.counted_max_version:
-            group.counted_max_version = session.max_version
+        rewarded = [s for s in group.members if s.state is SessionState.REWARDED]
+        if rewarded:
+            self.record_rewards(group, rewarded)
 
     def record_rewards(
         self, group: GroupRecord, sessions: list[SessionRecord], metrics: bool = True
     ) -> None:
-        """``record_reward`` for several members of one open group at once (those one request
-        rewarded; the group's counted versions too), through one view of the group's row: a
+        """Copies the rewards (and filter metrics) just set on ``sessions``, members of the
+        open ``group`` (those one request rewarded), into the group's arena row, and widens
+        the group's counted versions, through one view of the group's row: a
         fancy-indexed write would first turn both lists into arrays, which costs more than
         these few scalar writes. ``metrics`` False: none of them was given a filter metric
         (their request carried none), so none is looked for."""
