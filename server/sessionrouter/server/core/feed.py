@@ -33,6 +33,26 @@ from sessionrouter.server.core.results import (
 __all__ = ["GroupFeed", "GroupOutcome", "GroupResult", "Subscription"]
 
 
+def check_cursor(cursor: int, first: int, last: int) -> None:
+    """Refuses a subscription after ``cursor`` on a feed that retains cursors ``first`` to
+    ``last``: OutOfRange CURSOR_AHEAD_OF_FEED beyond the newest (the router lost its feed,
+    and the trainer must know), CURSOR_EXPIRED when the group after it was evicted. One
+    wording for the single router's feed and the shards' merged feed."""
+    if cursor > last:
+        raise OutOfRange(
+            "CURSOR_AHEAD_OF_FEED",
+            f"cursor {cursor} is beyond the newest group ({last})",
+            metadata={"cursor": cursor, "last_cursor": last},
+        )
+    if cursor + 1 < first:
+        raise OutOfRange(
+            "CURSOR_EXPIRED",
+            f"groups after cursor {cursor} are no longer retained; the oldest retained"
+            f" cursor is {first}",
+            metadata={"cursor": cursor, "oldest_cursor": first},
+        )
+
+
 @dataclass(slots=True, eq=False)
 class Subscription:
     """One live subscriber of the feed, for the lag metrics: ``cursor`` is the newest group
@@ -214,19 +234,7 @@ class GroupFeed:
         trainer must know); so is one whose successor was evicted.
         """
         cursor = self.start_after(cursor)
-        if cursor > self.last_cursor:
-            raise OutOfRange(
-                "CURSOR_AHEAD_OF_FEED",
-                f"cursor {cursor} is beyond the newest group ({self.last_cursor})",
-                metadata={"cursor": cursor, "last_cursor": self.last_cursor},
-            )
-        if cursor + 1 < self._first:
-            raise OutOfRange(
-                "CURSOR_EXPIRED",
-                f"groups after cursor {cursor} are no longer retained; the oldest retained"
-                f" cursor is {self._first}",
-                metadata={"cursor": cursor, "oldest_cursor": self._first},
-            )
+        check_cursor(cursor, self._first, self.last_cursor)
         rows: list[ResultRows] = []
         if cursor == self.last_cursor:
             return rows

@@ -30,7 +30,8 @@ from typing import Any
 
 import grpc
 
-from sessionrouter.server.core.errors import OutOfRange, RouterError, Unavailable
+from sessionrouter.server.core.errors import RouterError, Unavailable
+from sessionrouter.server.core.feed import check_cursor
 from sessionrouter.server.core.router import SessionRouter
 from sessionrouter.server.core.streams import Commit, no_journal
 from sessionrouter.server.servicer import (
@@ -187,19 +188,7 @@ class ShardedSessionServicer(SessionServicer):
         after = request.after_cursor
         if after == 0:
             return min(first, last + 1) - 1
-        if after > last:
-            raise OutOfRange(
-                "CURSOR_AHEAD_OF_FEED",
-                f"cursor {after} is beyond the newest group ({last})",
-                metadata={"cursor": after, "last_cursor": last},
-            )
-        if after + 1 < first:
-            raise OutOfRange(
-                "CURSOR_EXPIRED",
-                f"groups after cursor {after} are no longer retained; the oldest retained"
-                f" cursor is {first}",
-                metadata={"cursor": after, "oldest_cursor": first},
-            )
+        check_cursor(after, first, last)
         return after
 
     async def SubscribeGroups(
