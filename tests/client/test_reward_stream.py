@@ -478,10 +478,21 @@ async def test_submit_rewards_sends_the_filter_metrics_it_is_given(
     assert request.entries[1].filter_metric == 3.0
 
 
-async def test_a_bad_entry_shape_is_a_value_error(client: SessionRouterClient) -> None:
-    async with client.reward_stream() as rs:
-        with pytest.raises(ValueError, match="session, reward"):
-            await rs.submit_many([(name(0),)])  # type: ignore[list-item]
+async def test_a_bad_entry_shape_is_a_value_error(
+    client: SessionRouterClient, router: RouterSide
+) -> None:
+    """Refused before anything is sent: the stream stays usable and closes normally."""
+
+    async def trainer() -> None:
+        async with client.reward_stream() as rs:
+            with pytest.raises(ValueError, match="session, reward"):
+                await rs.submit_many([(name(0),)])  # type: ignore[list-item]
+
+    async def server() -> None:
+        await router.accept()
+        await router.finish()
+
+    await asyncio.gather(trainer(), server())
 
 
 async def test_replacement_notices_reach_the_hook_and_a_failing_hook_ends_nothing(
