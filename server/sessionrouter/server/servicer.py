@@ -52,6 +52,7 @@ from sessionrouter.server.core.streams import (
     no_journal,
 )
 from sessionrouter.server.status import Refusals
+from sessionrouter.server.worker_directory import LocalWorkers, WorkerDirectory
 from sessionrouter.v1 import resources_pb2 as pb
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
@@ -437,23 +438,26 @@ class PackedFeedCache:
 
 
 class WorkerServicer(_Refusing, wpb_grpc.WorkerServiceServicer):
-    """WorkerService over the router's worker registry."""
+    """WorkerService over a worker directory: the router's own registry by default, the
+    shared pool on a shard (``worker_directory``)."""
 
     def __init__(
         self,
         router: SessionRouter,
         commit: Commit = no_journal,
         refusals: Refusals | None = None,
+        workers: WorkerDirectory | None = None,
     ) -> None:
         self._router = router
         self._commit = commit
         self._refusals = refusals or Refusals()
+        self._workers: WorkerDirectory = workers or LocalWorkers(router)
 
     async def RegisterWorker(
         self, request: wpb.RegisterWorkerRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> wpb.RegisterWorkerResponse:
         try:
-            worker = self._router.register_worker(
+            worker = await self._workers.register(
                 request.worker_id,
                 request.address,
                 request.capacity,
@@ -463,7 +467,7 @@ class WorkerServicer(_Refusing, wpb_grpc.WorkerServiceServicer):
         except RouterError as error:
             await self._abort(context, error)
         reply = wpb.RegisterWorkerResponse(
-            worker=convert.worker_to_proto(worker),
+            worker=worker,
             heartbeat_timeout=convert.duration(self._router.settings.heartbeat_timeout_s),
         )
         await self._durable(context)
@@ -473,10 +477,10 @@ class WorkerServicer(_Refusing, wpb_grpc.WorkerServiceServicer):
         self, request: wpb.HeartbeatRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> wpb.HeartbeatResponse:
         try:
-            worker = self._router.heartbeat(request.worker_id, request.policy_version)
+            worker = await self._workers.heartbeat(request.worker_id, request.policy_version)
         except RouterError as error:
             await self._abort(context, error)
-        reply = wpb.HeartbeatResponse(worker=convert.worker_to_proto(worker))
+        reply = wpb.HeartbeatResponse(worker=worker)
         if request.policy_version:
             await self._durable(context)  # a new version is journaled
         return reply
@@ -485,10 +489,10 @@ class WorkerServicer(_Refusing, wpb_grpc.WorkerServiceServicer):
         self, request: wpb.DrainWorkerRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> wpb.DrainWorkerResponse:
         try:
-            worker = self._router.drain_worker(request.worker_id, request.resume)
+            worker = await self._workers.drain(request.worker_id, request.resume)
         except RouterError as error:
             await self._abort(context, error)
-        reply = wpb.DrainWorkerResponse(worker=convert.worker_to_proto(worker))
+        reply = wpb.DrainWorkerResponse(worker=worker)
         await self._durable(context)
         return reply
 
@@ -498,12 +502,10 @@ class WorkerServicer(_Refusing, wpb_grpc.WorkerServiceServicer):
         context: grpc.aio.ServicerContext[object, object],
     ) -> wpb.DeregisterWorkerResponse:
         try:
-            worker, lost = self._router.deregister_worker(request.worker_id)
+            worker, lost = await self._workers.deregister(request.worker_id)
         except RouterError as error:
             await self._abort(context, error)
-        reply = wpb.DeregisterWorkerResponse(
-            worker=convert.worker_to_proto(worker), lost_sessions=lost
-        )
+        reply = wpb.DeregisterWorkerResponse(worker=worker, lost_sessions=lost)
         await self._durable(context)
         return reply
 
@@ -511,10 +513,10 @@ class WorkerServicer(_Refusing, wpb_grpc.WorkerServiceServicer):
         self, request: wpb.GetWorkerRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> wpb.GetWorkerResponse:
         try:
-            worker = self._router.get_worker(request.worker_id)
+            worker = self._workers.get(request.worker_id)
         except RouterError as error:
             await self._abort(context, error)
-        return wpb.GetWorkerResponse(worker=convert.worker_to_proto(worker))
+        return wpb.GetWorkerResponse(worker=worker)
 
     async def ListWorkers(
         self, request: wpb.ListWorkersRequest, context: grpc.aio.ServicerContext[object, object]
@@ -523,10 +525,9 @@ class WorkerServicer(_Refusing, wpb_grpc.WorkerServiceServicer):
             after = paging.decode_id("workers", request.page_token)
         except RouterError as error:
             await self._abort(context, error)
-        workers, last = self._router.list_workers(paging.page_size(request.page_size), after)
+        workers, last = self._workers.page(paging.page_size(request.page_size), after)
         return wpb.ListWorkersResponse(
-            workers=[convert.worker_to_proto(w) for w in workers],
-            next_page_token=paging.encode("workers", last),
+            workers=workers, next_page_token=paging.encode("workers", last)
         )
 
     async def BeginWeightUpdate(
@@ -535,15 +536,12 @@ class WorkerServicer(_Refusing, wpb_grpc.WorkerServiceServicer):
         context: grpc.aio.ServicerContext[object, object],
     ) -> wpb.BeginWeightUpdateResponse:
         try:
-            workers, interrupted = self._router.begin_weight_update(
+            workers, interrupted = await self._workers.begin_update(
                 request.version, list(request.worker_ids), request.interrupt_sessions
             )
         except RouterError as error:
             await self._abort(context, error)
-        reply = wpb.BeginWeightUpdateResponse(
-            workers=[convert.worker_to_proto(w) for w in workers],
-            interrupted_sessions=interrupted,
-        )
+        reply = wpb.BeginWeightUpdateResponse(workers=workers, interrupted_sessions=interrupted)
         await self._durable(context)
         return reply
 
@@ -553,14 +551,12 @@ class WorkerServicer(_Refusing, wpb_grpc.WorkerServiceServicer):
         context: grpc.aio.ServicerContext[object, object],
     ) -> wpb.CompleteWeightUpdateResponse:
         try:
-            worker, finished = self._router.complete_weight_update(
+            worker, finished = await self._workers.complete_update(
                 request.worker_id, request.version
             )
         except RouterError as error:
             await self._abort(context, error)
-        reply = wpb.CompleteWeightUpdateResponse(
-            worker=convert.worker_to_proto(worker), update_finished=finished
-        )
+        reply = wpb.CompleteWeightUpdateResponse(worker=worker, update_finished=finished)
         await self._durable(context)
         return reply
 
@@ -788,9 +784,14 @@ class SessionServicer(_Refusing, spb_grpc.SessionServiceServicer):
             )
         except RouterError as error:
             await self._abort(context, error)
-        reply = spb.SetTrainerStateResponse(state=convert.trainer_state_to_proto(self._router))
+        reply = spb.SetTrainerStateResponse(state=self._trainer_state())
         await self._durable(context)
         return reply
+
+    def _trainer_state(self) -> pb.TrainerState:
+        """The state Get/SetTrainerState answer: this router's (a shard overrides it with
+        the fleet's counters and weight update)."""
+        return convert.trainer_state_to_proto(self._router)
 
     async def _set_trainer_state(self, change: TrainerStateChange) -> None:
         """Where a SetTrainerState goes: this router's state (a shard overrides it to write
@@ -808,4 +809,4 @@ class SessionServicer(_Refusing, spb_grpc.SessionServiceServicer):
         request: spb.GetTrainerStateRequest,
         context: grpc.aio.ServicerContext[object, object],
     ) -> spb.GetTrainerStateResponse:
-        return spb.GetTrainerStateResponse(state=convert.trainer_state_to_proto(self._router))
+        return spb.GetTrainerStateResponse(state=self._trainer_state())

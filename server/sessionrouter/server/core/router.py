@@ -110,7 +110,12 @@ from sessionrouter.server.core.weight_updates import (
     refuse_during_update,
     select_for_update,
 )
-from sessionrouter.server.core.workers import SessionKey, WorkerRecord, WorkerRegistry
+from sessionrouter.server.core.workers import (
+    SessionKey,
+    WorkerRecord,
+    WorkerRegistry,
+    check_room,
+)
 
 _T = TypeVar("_T")
 
@@ -300,13 +305,8 @@ class SessionRouter:
         labels: Mapping[str, str],
         policy_version: int = 0,
     ) -> WorkerRecord:
-        limit = self.settings.max_workers
-        if len(self.workers) >= limit and self.workers.find(worker_id) is None:
-            raise ResourceExhausted(
-                "WORKERS_LIMIT",
-                f"{len(self.workers)} workers are registered, at most {limit} allowed",
-                metadata={"workers": len(self.workers), "limit": limit},
-            )
+        known = self.workers.find(worker_id) is not None
+        check_room(len(self.workers), self.settings.max_workers, known)
         worker, created = self.workers.register(
             worker_id,
             address,
@@ -451,6 +451,27 @@ class SessionRouter:
         self._journal_worker(worker)
         self._update_progressed()
         return worker, self.weight_update is None
+
+    def follow_worker_update(
+        self, worker_id: str, updating_to: int, version: int, interrupt: bool
+    ) -> int:
+        """Takes a worker's update state as decided elsewhere (a shard applying the shared
+        pool's record, checked where it was written): begins an update to ``updating_to``
+        (marking its open sessions interrupted when ``interrupt``), or with 0 ends it at
+        ``version``. Returns how many sessions were marked interrupted."""
+        worker = self.workers.get(worker_id)
+        interrupted = 0
+        if updating_to and worker.updating_to != updating_to:
+            self.workers.begin_update(worker, updating_to)
+            if interrupt:
+                interrupted = self._interrupt_sessions(worker)
+        elif not updating_to and worker.updating_to:
+            self.workers.complete_update(worker, max(version, worker.policy_version))
+        else:
+            return 0
+        self._journal_worker(worker)
+        self._update_progressed()
+        return interrupted
 
     def _interrupt_sessions(self, worker: WorkerRecord) -> int:
         count = 0

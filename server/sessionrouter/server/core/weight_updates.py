@@ -6,17 +6,44 @@ when none is named: a *fleet-wide* update). Each selected worker takes no new se
 back. While a fleet-wide update lasts, starts wait or are refused Unavailable, as the caller
 asks: there is no worker to place them on, and a group started on half-updated workers would
 mix policies. The per-worker state (``WorkerRecord.updating_to``) is the truth; this module
-holds the checks and the fleet-wide marker.
+holds the checks and the fleet-wide marker. The checks read any worker table with ids,
+versions and targets (``UpdatableWorker``): a single router's registry, or the pool a sharded
+router's shards share (``shards.pool``), so both refuse the same input the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from sessionrouter.server.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from sessionrouter.server.core.validation import check_id, check_version
-from sessionrouter.server.core.workers import WorkerRecord, WorkerRegistry
+from sessionrouter.server.core.workers import WorkerRegistry
+
+
+class UpdatableWorker(Protocol):
+    """What the checks read of a worker."""
+
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def policy_version(self) -> int: ...
+    @property
+    def updating_to(self) -> int:
+        """The target version of the worker's update (0: not updating)."""
+        ...
+
+
+W = TypeVar("W", bound=UpdatableWorker)
+W_co = TypeVar("W_co", bound=UpdatableWorker, covariant=True)
+
+
+class WorkerTable(Protocol[W_co]):
+    """Workers by id (``get`` raises NotFound ``WORKER_NOT_FOUND``), and all of them."""
+
+    def get(self, worker_id: str) -> W_co: ...
+    def __iter__(self) -> Iterator[W_co]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,9 +54,7 @@ class WeightUpdate:
     fleet_wide: bool
 
 
-def select_for_update(
-    registry: WorkerRegistry, version: int, worker_ids: Sequence[str]
-) -> list[WorkerRecord]:
+def select_for_update(table: WorkerTable[W], version: int, worker_ids: Sequence[str]) -> list[W]:
     """The workers a BeginWeightUpdate selects, every check done before anything changes:
     a version of 0, an unknown worker, or one already at or past ``version``, is refused."""
     check_version("version", version)
@@ -42,32 +67,38 @@ def select_for_update(
     if worker_ids:
         for worker_id in worker_ids:
             check_id("worker_ids", worker_id)
-        chosen = [registry.get(w) for w in dict.fromkeys(worker_ids)]
+        chosen = [table.get(w) for w in dict.fromkeys(worker_ids)]
     else:
-        chosen = sorted(registry, key=lambda w: w.worker_id)
+        chosen = sorted(table, key=lambda w: w.worker_id)
     for worker in chosen:
-        if worker.policy_version >= version:
-            raise FailedPrecondition(
-                "VERSION_BACKWARDS",
-                f"worker {worker.worker_id!r} serves version {worker.policy_version} already;"
-                f" an update to {version} would not move it forward",
-                metadata={
-                    "worker_id": worker.worker_id,
-                    "held": worker.policy_version,
-                    "got": version,
-                },
-            )
-        if worker.updating_to and worker.updating_to != version:
-            raise FailedPrecondition(
-                "UPDATE_IN_PROGRESS",
-                f"worker {worker.worker_id!r} is updating to version {worker.updating_to}"
-                " already; complete that update first",
-                metadata={"worker_id": worker.worker_id, "updating_to": worker.updating_to},
-            )
+        check_can_update(worker, version)
     return chosen
 
 
-def check_completion(worker: WorkerRecord, version: int) -> int:
+def check_can_update(worker: UpdatableWorker, version: int) -> None:
+    """Refuses to move ``worker`` to ``version`` when it serves that version already, or is
+    updating to another one."""
+    if worker.policy_version >= version:
+        raise FailedPrecondition(
+            "VERSION_BACKWARDS",
+            f"worker {worker.worker_id!r} serves version {worker.policy_version} already;"
+            f" an update to {version} would not move it forward",
+            metadata={
+                "worker_id": worker.worker_id,
+                "held": worker.policy_version,
+                "got": version,
+            },
+        )
+    if worker.updating_to and worker.updating_to != version:
+        raise FailedPrecondition(
+            "UPDATE_IN_PROGRESS",
+            f"worker {worker.worker_id!r} is updating to version {worker.updating_to}"
+            " already; complete that update first",
+            metadata={"worker_id": worker.worker_id, "updating_to": worker.updating_to},
+        )
+
+
+def check_completion(worker: UpdatableWorker, version: int) -> int:
     """The version a CompleteWeightUpdate leaves ``worker`` at (0 means the target)."""
     check_version("version", version)
     if not worker.updating_to:

@@ -27,8 +27,14 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from sessionrouter.server.core.errors import AlreadyExists, FailedPrecondition, NotFound
+from sessionrouter.server.core.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    NotFound,
+    ResourceExhausted,
+)
 from sessionrouter.server.core.validation import (
     ADDRESS_MAX_LEN,
     LABEL_VALUE_MAX_LEN,
@@ -230,21 +236,8 @@ class WorkerRegistry:
         as a heartbeat; another address under the same id is AlreadyExists, because two live
         processes claiming one id would make placement lie.
         """
-        check_id("worker_id", worker_id)
-        check_text("address", address, ADDRESS_MAX_LEN, required=True)
-        check_range("capacity", capacity, 1, MAX_CAPACITY)
-        check_version("policy_version", policy_version)
-        labels = check_string_map("labels", labels, LABEL_VALUE_MAX_LEN)
         worker = self._workers.get(worker_id)
-        if worker is not None and worker.address != address:
-            raise AlreadyExists(
-                "WORKER_ADDRESS_CONFLICT",
-                f"worker {worker_id!r} is registered at {worker.address!r}, not {address!r};"
-                " deregister it first",
-                metadata={"worker_id": worker_id, "address": worker.address},
-            )
-        if worker is not None:
-            check_version_forward(worker, policy_version)
+        labels = check_registration(worker, worker_id, address, capacity, labels, policy_version)
         created = worker is None
         if worker is None:
             worker = WorkerRecord(worker_id, address, capacity, labels)
@@ -521,7 +514,57 @@ def _last_use(pool: WorkerPool) -> int:
     return pool.last_use
 
 
-def check_version_forward(worker: WorkerRecord, policy_version: int) -> None:
+class KnownWorker(Protocol):
+    """What the registration checks read of the worker already held under an id."""
+
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def policy_version(self) -> int: ...
+
+
+def check_registration(
+    known: KnownWorker | None,
+    worker_id: str,
+    address: str,
+    capacity: int,
+    labels: Mapping[str, str],
+    policy_version: int,
+) -> dict[str, str]:
+    """Every check of a RegisterWorker against the worker held under ``worker_id`` (None: a
+    new one), before anything changes; returns the checked labels. The single router's
+    registry and a sharded router's shared pool both call it, so both refuse alike."""
+    check_id("worker_id", worker_id)
+    check_text("address", address, ADDRESS_MAX_LEN, required=True)
+    check_range("capacity", capacity, 1, MAX_CAPACITY)
+    check_version("policy_version", policy_version)
+    checked = check_string_map("labels", labels, LABEL_VALUE_MAX_LEN)
+    if known is not None and known.address != address:
+        raise AlreadyExists(
+            "WORKER_ADDRESS_CONFLICT",
+            f"worker {worker_id!r} is registered at {known.address!r}, not {address!r};"
+            " deregister it first",
+            metadata={"worker_id": worker_id, "address": known.address},
+        )
+    if known is not None:
+        check_version_forward(known, policy_version)
+    return checked
+
+
+def check_room(registered: int, limit: int, known: bool) -> None:
+    """Refuses a new worker when ``registered`` workers already reach ``limit``
+    (``max_workers``); a known one may always register again."""
+    if not known and registered >= limit:
+        raise ResourceExhausted(
+            "WORKERS_LIMIT",
+            f"{registered} workers are registered, at most {limit} allowed",
+            metadata={"workers": registered, "limit": limit},
+        )
+
+
+def check_version_forward(worker: KnownWorker, policy_version: int) -> None:
     """Refuses a reported policy version lower than the one ``worker`` holds (0 reports
     nothing): a worker serving older weights than it said would make every version stamped
     since a lie."""

@@ -4,11 +4,14 @@
 - ``guard``: the guard layer that refuses calls about another shard's group;
 - ``link``: the NATS connection, the buckets and the feed stream;
 - ``registry``: who serves which shard, the shard-count check, one process per index;
-- ``pool`` and ``worker_service``: the shared worker pool and its capacity split;
+- ``pool`` and ``shared_workers``: the shared worker pool and its capacity split, the worker
+  directory WorkerService serves on a shard;
+- ``fleet_updates``: weight updates written to the pool, so one call reaches every shard;
 - ``publisher``: this shard's finished groups into the one feed stream;
 - ``merged_feed``: SubscribeGroups over that stream;
 - ``admission`` and ``trainer_service``: the trainer state and the staleness admission
-  budget every shard shares (leases of the limit), and SetTrainerState writing them;
+  budget every shard shares (leases of the limit), SetTrainerState writing them, and
+  GetTrainerState answering with the fleet's counters;
 - ``runtime``: starts and stops all of it with the server.
 
 Nothing here is imported by a single router beyond ``identity`` (no NATS dependency).

@@ -1,8 +1,9 @@
 """The trainer state and the staleness-bounded admission budget every shard shares.
 
 One KV entry, key ``state`` of bucket ``sessionrouter_trainer`` (no TTL), holds the fleet's
-trainer state (version, staleness policy, ``refuse_mixed_versions``, the counters' epoch) and
-the admission leases: ``leases[i]`` is how many slots of the limit ``L = (v + k + 1) * B``
+trainer state (version, staleness policy, ``refuse_mixed_versions``, the counters' epoch, the
+weight update in progress: its target version and whether it is fleet-wide) and the
+admission leases: ``leases[i]`` is how many slots of the limit ``L = (v + k + 1) * B``
 shard ``i`` holds in this epoch. Every write is a compare-and-set on the entry's revision, so
 two writers never lose an update, and every write keeps ``sum(leases) <= L`` when it adds
 slots. Every shard watches the entry and applies it to its router (journaled there as
@@ -59,6 +60,7 @@ from sessionrouter.server.core.staleness import (
     StalenessPolicy,
     TrainerStateChange,
 )
+from sessionrouter.server.core.weight_updates import WeightUpdate
 from sessionrouter.server.shards.identity import DEFAULT_LEASE_CHUNK, ShardIdentity
 from sessionrouter.server.shards.link import TRAINER_BUCKET, NatsLink, stop_watch
 from sessionrouter.server.shards.pool import nats_unavailable
@@ -92,6 +94,16 @@ class FleetState:
     leases: dict[int, int] = field(default_factory=dict)
     short: dict[int, float] = field(default_factory=dict)
     """Shards that found nothing free, with the Unix time they marked it."""
+    update_version: int = 0
+    """The target version of the weight update in progress (0: none)."""
+    update_fleet_wide: bool = False
+    """The update in progress selected every worker: starts wait or are refused."""
+
+    @property
+    def update(self) -> WeightUpdate | None:
+        if not self.update_version:
+            return None
+        return WeightUpdate(self.update_version, self.update_fleet_wide)
 
     @property
     def policy(self) -> StalenessPolicy | None:
@@ -119,6 +131,8 @@ class FleetState:
                 "epoch": self.epoch,
                 "leases": {str(k): v for k, v in sorted(self.leases.items())},
                 "short": {str(k): v for k, v in sorted(self.short.items())},
+                "update_version": self.update_version,
+                "update_fleet_wide": self.update_fleet_wide,
             },
             sort_keys=True,
         ).encode()
@@ -134,10 +148,14 @@ class FleetState:
             int(raw["epoch"]),
             {int(k): int(v) for k, v in dict(raw.get("leases", {})).items()},
             {int(k): float(v) for k, v in dict(raw.get("short", {})).items()},
+            int(raw.get("update_version", 0)),
+            bool(raw.get("update_fleet_wide", False)),
         )
 
     @classmethod
-    def of(cls, gate: StalenessGate, leases: dict[int, int]) -> FleetState:
+    def of(
+        cls, gate: StalenessGate, leases: dict[int, int], update: WeightUpdate | None = None
+    ) -> FleetState:
         policy = gate.policy
         return cls(
             gate.version,
@@ -146,6 +164,8 @@ class FleetState:
             gate.refuse_mixed_versions,
             gate.epoch,
             leases,
+            update_version=update.version if update else 0,
+            update_fleet_wide=update.fleet_wide if update else False,
         )
 
 
@@ -184,6 +204,8 @@ class FleetAdmission:
         """Starts that asked for slots since the last grant: a grant covers them all."""
         self.requests = 0
         """Lease requests sent (CAS round trips that added slots or found none)."""
+        self._update: tuple[int, bool] | None = None
+        """The weight update marker as last applied to the router (None: not yet)."""
 
     # -- the gate's side -----------------------------------------------------------------
 
@@ -239,11 +261,9 @@ class FleetAdmission:
         """SetTrainerState on any shard: checked as on one router against the fleet's
         state, written by CAS, applied here at once and on the other shards by their watch.
         A refusal changes nothing; NATS down is UNAVAILABLE NATS_UNAVAILABLE."""
-        if not self.link.connected or self._kv is None:
-            raise nats_unavailable("the trainer state")
 
         def written(state: FleetState | None) -> FleetState:
-            base = state or FleetState.of(self.router.trainer, {})
+            base = state or FleetState.of(self.router.trainer, {}, self.router.weight_update)
             gate = StalenessGate(
                 version=base.version,
                 policy=base.policy,
@@ -253,15 +273,46 @@ class FleetAdmission:
             change.apply_to(gate)
             leases = base.leases if gate.epoch == base.epoch else {}
             short = base.short if gate.epoch == base.epoch else {}
-            return replace(FleetState.of(gate, dict(leases)), short=dict(short))
+            return replace(FleetState.of(gate, dict(leases), base.update), short=dict(short))
 
+        await self._write(written, "the trainer state")
+
+    async def _write(
+        self, change: Callable[[FleetState | None], FleetState | None], what: str
+    ) -> None:
+        """``_cas`` for a call: NATS unreachable (or failing) is UNAVAILABLE NATS_UNAVAILABLE."""
+        if not self.link.connected or self._kv is None:
+            raise nats_unavailable(what)
         try:
-            await self._cas(written)
+            await self._cas(change)
         except RouterError:
             raise
         except Exception as exc:
             log.warning("trainer state not written", extra={"error": repr(exc)})
-            raise nats_unavailable("the trainer state") from None
+            raise nats_unavailable(what) from None
+
+    async def mark_update(self, update: WeightUpdate) -> None:
+        """Records the weight update begun (its workers' records already carry it), as one
+        router's BeginWeightUpdate replaces the update it remembers."""
+
+        def marked(state: FleetState | None) -> FleetState | None:
+            base = state or FleetState.of(self.router.trainer, {})
+            if base.update == update:
+                return None
+            return replace(base, update_version=update.version, update_fleet_wide=update.fleet_wide)
+
+        await self._write(marked, "a weight update")
+
+    async def end_update(self, done: Callable[[], bool]) -> None:
+        """Clears the weight update marker when ``done()`` (no worker of the pool is
+        updating any more), as one router ends its update."""
+
+        def cleared(state: FleetState | None) -> FleetState | None:
+            if state is None or state.update is None or not done():
+                return None
+            return replace(state, update_version=0, update_fleet_wide=False)
+
+        await self._write(cleared, "a weight update")
 
     async def _lease(self) -> bool:
         """Adds slots to this shard's lease; False when none is free (marked short)."""
@@ -339,6 +390,10 @@ class FleetAdmission:
         if self._capped is not None:
             lease = min(lease, self._capped)
         gate.adopt(state.version, state.policy, state.refuse_mixed_versions, state.epoch, lease)
+        marker = (state.update_version, state.update_fleet_wide)
+        if marker != self._update:  # the router's own bookkeeping may end it earlier
+            self._update = marker
+            self.router.weight_update = state.update
         if not same_epoch:
             log.info(
                 "admission counters restarted",
@@ -359,7 +414,7 @@ class FleetAdmission:
         def reconcile(state: FleetState | None) -> FleetState | None:
             if state is None:
                 leases = {me: gate.in_flight} if gate.policy is not None else {}
-                return FleetState.of(gate, leases)
+                return FleetState.of(gate, leases, self.router.weight_update)
             in_flight = gate.in_flight if state.epoch == gate.epoch else 0
             if state.leases.get(me, 0) == in_flight:
                 return None

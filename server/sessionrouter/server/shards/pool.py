@@ -22,6 +22,17 @@ StartSession and make placement stop when NATS does; the static split keeps plac
 Each shard publishes its open sessions per worker to ``sessionrouter_load`` every
 ``LOAD_PUBLISH_S``, so any shard reports the global load (``Worker.cluster_open_sessions``).
 
+**Weight updates are pool state.** A record carries the worker's update target
+(``updating_to``, 0 when not updating): a BeginWeightUpdate or CompleteWeightUpdate on any
+shard writes it (``shards.fleet_updates``), and every shard's watch takes the worker out of its
+placement or puts it back, so a trainer that reaches one shard reaches them all. A heartbeat
+reporting the target (or a newer version) ends the update, as on one router.
+
+**Every write is a compare-and-set** on the record's revision (as the watch last delivered
+it, or as a write returned it): the change is computed, and checked, against the current
+record, and recomputed when another shard wrote in between. So a heartbeat can never undo a
+weight update begun elsewhere, and the refusals are made against the fleet's state.
+
 While NATS is unreachable the pool stays as it was last known: mirrored workers are kept
 healthy on every shard (their heartbeats cannot arrive), heartbeats received keep working
 locally, and registering, draining and deregistering are UNAVAILABLE (``NATS_UNAVAILABLE``)
@@ -37,38 +48,29 @@ import json
 import logging
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sessionrouter.server.config import WorkerSpec
-from sessionrouter.server.core.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    NotFound,
-    ResourceExhausted,
-    RouterError,
-    Unavailable,
-)
+from sessionrouter.server.core.errors import NotFound, RouterError, Unavailable
 from sessionrouter.server.core.router import SessionRouter
-from sessionrouter.server.core.validation import (
-    ADDRESS_MAX_LEN,
-    LABEL_VALUE_MAX_LEN,
-    MAX_CAPACITY,
-    check_id,
-    check_range,
-    check_string_map,
-    check_text,
-    check_version,
+from sessionrouter.server.core.validation import check_version
+from sessionrouter.server.core.workers import (
+    WorkerRecord,
+    check_registration,
+    check_room,
+    check_version_forward,
 )
-from sessionrouter.server.core.workers import WorkerRecord
 from sessionrouter.server.shards.identity import ShardIdentity
 from sessionrouter.server.shards.link import LOAD_BUCKET, WORKERS_BUCKET, NatsLink, stop_watch
 
 log = logging.getLogger("sessionrouter.shards")
 
 LOAD_PUBLISH_S = 1.0
-"""How often a shard publishes its per-worker open sessions."""
+"""How often a shard publishes its per-worker open sessions (and its admission counters)."""
+CAS_TRIES = 50
+"""Compare-and-set attempts of one record write before it gives up (contention)."""
 
 
 def share(worker_id: str, capacity: int, shard: ShardIdentity) -> int:
@@ -78,22 +80,6 @@ def share(worker_id: str, capacity: int, shard: ShardIdentity) -> int:
     base, extra = divmod(capacity, n)
     start = zlib.crc32(worker_id.encode("utf-8")) % n
     return base + (1 if (shard.index - start) % n < extra else 0)
-
-
-def check_policy_version(policy_version: int, known: WorkerEntry | None) -> None:
-    """The checks of a single router: at most 2^63 - 1, never backwards."""
-    check_version("policy_version", policy_version)
-    if known is not None and policy_version and policy_version < known.policy_version:
-        raise FailedPrecondition(
-            "VERSION_BACKWARDS",
-            f"worker {known.worker_id!r} serves policy version {known.policy_version};"
-            f" it cannot go back to {policy_version}",
-            metadata={
-                "worker_id": known.worker_id,
-                "held": known.policy_version,
-                "got": policy_version,
-            },
-        )
 
 
 def _newer(reported: int, known: WorkerEntry | None) -> int:
@@ -122,6 +108,11 @@ class WorkerEntry:
     """Unix seconds of the last registration or heartbeat."""
     policy_version: int = 0
     """The policy version the worker last reported (0: unknown)."""
+    updating_to: int = 0
+    """The target version of the worker's weight update (0: not updating)."""
+    interrupt: bool = False
+    """The update asked for the worker's open sessions to be marked interrupted (each shard
+    marks its own when it sees the update begin)."""
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -133,6 +124,8 @@ class WorkerEntry:
                 "draining": self.draining,
                 "heartbeat": self.heartbeat,
                 "policy_version": self.policy_version,
+                "updating_to": self.updating_to,
+                "interrupt": self.interrupt,
             },
             sort_keys=True,
         ).encode()
@@ -149,9 +142,50 @@ class WorkerEntry:
                 bool(raw.get("draining", False)),
                 float(raw.get("heartbeat", 0.0)),
                 int(raw.get("policy_version", 0)),
+                int(raw.get("updating_to", 0)),
+                bool(raw.get("interrupt", False)),
             )
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
+
+
+def _beat(known: WorkerEntry, policy_version: int, **changes: Any) -> WorkerEntry:
+    """``known`` after a heartbeat (or registration) reporting ``policy_version``: a version
+    at or past the update's target ends the update, as on one router."""
+    ended = bool(known.updating_to) and policy_version >= known.updating_to
+    return replace(
+        known,
+        heartbeat=time.time(),
+        policy_version=_newer(policy_version, known),
+        updating_to=0 if ended else known.updating_to,
+        interrupt=False if ended else known.interrupt,
+        **changes,
+    )
+
+
+Change = Callable[["WorkerEntry | None"], "WorkerEntry | None"]
+"""A record write: the new record from the current one (None: unknown), or None to write
+nothing; it raises the RouterError that refuses the call."""
+
+
+def _static_beat(spec: WorkerSpec) -> Change:
+    """The write that keeps a static worker (``--worker``) in the pool: its record as given,
+    with the drain, version and update state the pool holds."""
+
+    def change(known: WorkerEntry | None) -> WorkerEntry:
+        if known is None:
+            return WorkerEntry(
+                spec.worker_id, spec.address, spec.capacity, dict(spec.labels), False, time.time()
+            )
+        return replace(
+            known,
+            address=spec.address,
+            capacity=spec.capacity,
+            labels=dict(spec.labels),
+            heartbeat=time.time(),
+        )
+
+    return change
 
 
 def nats_unavailable(what: str) -> Unavailable:
@@ -173,39 +207,25 @@ class PoolMirror:
         """Every worker of the pool, by id."""
         self.loads: dict[int, dict[str, int]] = {}
         """Open sessions per worker as each shard last published them, by shard index."""
+        self.revisions: dict[str, int] = {}
+        """Each record's revision in the bucket, as last seen (what a write expects)."""
+        self.counters: dict[int, tuple[int, int, int]] = {}
+        """(epoch, groups started, groups dropped) as each other shard last published them."""
         self._workers_kv: Any = None
         self._static: tuple[WorkerSpec, ...] = ()
-        self._published_load: dict[str, int] | None = None
+        self._published_load: dict[str, Any] | None = None
+
+    def __iter__(self) -> Iterator[WorkerEntry]:
+        return iter(list(self.entries.values()))
 
     # -- what the RPCs do --------------------------------------------------------------
 
-    def check_registration(
-        self, worker_id: str, address: str, capacity: int, labels: Mapping[str, str]
-    ) -> dict[str, str]:
-        """The checks of a single router's RegisterWorker, against the whole pool."""
-        check_id("worker_id", worker_id)
-        check_text("address", address, ADDRESS_MAX_LEN, required=True)
-        check_range("capacity", capacity, 1, MAX_CAPACITY)
-        checked = check_string_map("labels", labels, LABEL_VALUE_MAX_LEN)
-        known = self.entries.get(worker_id)
-        if known is not None and known.address != address:
-            raise AlreadyExists(
-                "WORKER_ADDRESS_CONFLICT",
-                f"worker {worker_id!r} is registered at {known.address!r}, not {address!r};"
-                " deregister it first",
-                metadata={"worker_id": worker_id, "address": known.address},
-            )
-        limit = self.router.settings.max_workers
-        if known is None and len(self.entries) >= limit:
-            raise ResourceExhausted(
-                "WORKERS_LIMIT",
-                f"{len(self.entries)} workers are registered, at most {limit} allowed",
-                metadata={"workers": len(self.entries), "limit": limit},
-            )
-        return checked
-
     def get(self, worker_id: str) -> WorkerEntry:
-        entry = self.entries.get(worker_id)
+        return self.known(worker_id, self.entries.get(worker_id))
+
+    @staticmethod
+    def known(worker_id: str, entry: WorkerEntry | None) -> WorkerEntry:
+        """``entry``, or the single router's NotFound when the pool has no such worker."""
         if entry is None:
             raise NotFound(
                 "WORKER_NOT_FOUND",
@@ -222,40 +242,49 @@ class PoolMirror:
         labels: Mapping[str, str],
         policy_version: int = 0,
     ) -> WorkerEntry:
-        checked = self.check_registration(worker_id, address, capacity, labels)
-        known = self.entries.get(worker_id)
-        check_policy_version(policy_version, known)
-        entry = WorkerEntry(
-            worker_id,
-            address,
-            capacity,
-            checked,
-            known.draining if known is not None else False,
-            time.time(),
-            _newer(policy_version, known),
-        )
-        await self._put(entry, "a registration")
+        limit = self.router.settings.max_workers
+
+        def change(known: WorkerEntry | None) -> WorkerEntry:
+            check_room(len(self.entries), limit, known is not None)
+            checked = check_registration(
+                known, worker_id, address, capacity, labels, policy_version
+            )
+            if known is None:
+                return WorkerEntry(
+                    worker_id, address, capacity, checked, False, time.time(), policy_version
+                )
+            return _beat(known, policy_version, capacity=capacity, labels=checked)
+
+        entry, _ = await self.write(worker_id, change, "a registration")
         return entry
 
     async def heartbeat(self, worker_id: str, policy_version: int = 0) -> WorkerEntry:
-        known = self.get(worker_id)
-        check_policy_version(policy_version, known)
-        entry = replace(known, heartbeat=time.time(), policy_version=_newer(policy_version, known))
+        check_version("policy_version", policy_version)
+
+        def change(known: WorkerEntry | None) -> WorkerEntry:
+            current = self.known(worker_id, known)
+            check_version_forward(current, policy_version)
+            return _beat(current, policy_version)
+
         if self.link.connected:
             try:
-                await self._put(entry, "a heartbeat")
+                entry, _ = await self.write(worker_id, change, "a heartbeat")
                 return entry
             except Unavailable:
                 pass
         # NATS is down: the worker stays alive here; the other shards keep their last view.
+        entry = change(self.entries.get(worker_id))
         self.entries[entry.worker_id] = entry
         if self.router.find_worker(worker_id) is not None:
             self.router.heartbeat(worker_id, entry.policy_version)
         return entry
 
     async def drain(self, worker_id: str, resume: bool) -> WorkerEntry:
-        entry = replace(self.get(worker_id), draining=not resume, heartbeat=time.time())
-        await self._put(entry, "a drain")
+        def change(known: WorkerEntry | None) -> WorkerEntry:
+            current = self.known(worker_id, known)
+            return replace(current, draining=not resume, heartbeat=time.time())
+
+        entry, _ = await self.write(worker_id, change, "a drain")
         return entry
 
     async def deregister(self, worker_id: str) -> tuple[WorkerEntry, int, WorkerRecord | None]:
@@ -267,7 +296,7 @@ class PoolMirror:
             # Restored from this shard's journal but gone from the pool (its record expired):
             # still removable here.
             known = WorkerEntry(worker_id, local.address, local.capacity, dict(local.labels))
-        entry = known if known is not None else self.get(worker_id)
+        entry = self.known(worker_id, known)
         if not self.link.connected:
             raise nats_unavailable("a deregistration")
         try:
@@ -281,16 +310,55 @@ class PoolMirror:
         if self.router.find_worker(worker_id) is not None:
             local, lost = self.router.deregister_worker(worker_id)
         self.entries.pop(worker_id, None)
+        self.revisions.pop(worker_id, None)
         return entry, lost, local
 
-    async def _put(self, entry: WorkerEntry, what: str) -> None:
-        if not self.link.connected:
-            raise nats_unavailable(what)
+    async def write(self, worker_id: str, change: Change, what: str) -> tuple[WorkerEntry, int]:
+        """Writes ``change`` of the worker's record by compare-and-set (module docstring),
+        applies it here, and returns the record with the sessions this shard marked
+        interrupted applying it. A RouterError from ``change`` refuses the call; NATS
+        unreachable is UNAVAILABLE NATS_UNAVAILABLE."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        for _ in range(CAS_TRIES):
+            known = self.entries.get(worker_id)
+            entry = change(known)
+            if entry is None:
+                return self.known(worker_id, known), 0
+            if not self.link.connected:
+                raise nats_unavailable(what)
+            revision = self.revisions.get(worker_id, 0) if known is not None else 0
+            kv, key = self._kv(), worker_key(worker_id)
+            try:
+                if revision:
+                    written = await kv.update(key, entry.encode(), last=revision)
+                else:
+                    written = await kv.create(key, entry.encode())
+            except KeyWrongLastSequenceError:
+                await self._refresh(worker_id)
+                continue
+            except Exception:
+                raise nats_unavailable(what) from None
+            return entry, self.take(entry, int(written))
+        raise nats_unavailable(f"{what} (too much contention)")
+
+    async def _refresh(self, worker_id: str) -> None:
+        """Reads the worker's record after a lost compare-and-set."""
+        from nats.js.errors import KeyDeletedError, NotFoundError
+
         try:
-            await self._kv().put(worker_key(entry.worker_id), entry.encode())
+            got = await self._kv().get(worker_key(worker_id))
+        except KeyDeletedError:  # deregistered meanwhile
+            self.remove(worker_id)
+            return
+        except NotFoundError:  # expired (the bucket's TTL): written again by create
+            self.revisions.pop(worker_id, None)
+            return
         except Exception:
-            raise nats_unavailable(what) from None
-        self.apply(entry)
+            raise nats_unavailable("the pool") from None
+        entry = WorkerEntry.decode(got.value or b"")
+        if entry is not None:
+            self.take(entry, int(got.revision))
 
     def _kv(self) -> Any:
         if self._workers_kv is None:
@@ -299,8 +367,18 @@ class PoolMirror:
 
     # -- mirroring -----------------------------------------------------------------------
 
-    def apply(self, entry: WorkerEntry) -> None:
-        """Brings this shard's worker table in step with one record (idempotent)."""
+    def take(self, entry: WorkerEntry, revision: int) -> int:
+        """Applies a record read or written at ``revision`` unless a later one was applied
+        already (a watch may deliver an older revision after a write's reply); returns the
+        sessions marked interrupted."""
+        if revision <= self.revisions.get(entry.worker_id, 0):
+            return 0
+        self.revisions[entry.worker_id] = revision
+        return self.apply(entry)
+
+    def apply(self, entry: WorkerEntry) -> int:
+        """Brings this shard's worker table in step with one record (idempotent); returns
+        the sessions marked interrupted by an update it begins here."""
         self.entries[entry.worker_id] = entry
         router = self.router
         slots = share(entry.worker_id, entry.capacity, self.shard)
@@ -309,7 +387,7 @@ class PoolMirror:
             router.deregister_worker(entry.worker_id)
             local = None
         if slots == 0:
-            return
+            return 0
         if local is None or local.capacity != slots or local.labels != entry.labels:
             local = router.register_worker(
                 entry.worker_id, entry.address, slots, entry.labels, entry.policy_version
@@ -318,9 +396,15 @@ class PoolMirror:
             router.heartbeat(entry.worker_id, entry.policy_version)
         if local.draining != entry.draining:
             router.drain_worker(entry.worker_id, resume=not entry.draining)
+        if local.updating_to == entry.updating_to:
+            return 0
+        return router.follow_worker_update(
+            entry.worker_id, entry.updating_to, entry.policy_version, entry.interrupt
+        )
 
     def remove(self, worker_id: str) -> None:
         self.entries.pop(worker_id, None)
+        self.revisions.pop(worker_id, None)
         if self.router.find_worker(worker_id) is not None:
             self.router.deregister_worker(worker_id)
 
@@ -331,6 +415,9 @@ class PoolMirror:
     async def watch_workers(self) -> None:
         """Mirrors the pool bucket until cancelled (run under ``retry_forever``)."""
         kv = self._workers_kv = await self.link.js.key_value(WORKERS_BUCKET)
+        # The watch delivers every record again: take them whatever their revisions (a NATS
+        # that lost its store numbers from 1 again).
+        self.revisions.clear()
         watcher = await kv.watchall()
         try:
             async for update in watcher:
@@ -343,7 +430,7 @@ class PoolMirror:
                     continue
                 entry = WorkerEntry.decode(update.value or b"")
                 if entry is not None:
-                    self.apply(entry)
+                    self.take(entry, int(update.revision))
         finally:
             await stop_watch(watcher)
 
@@ -360,37 +447,43 @@ class PoolMirror:
                     self.loads.pop(index, None)
                     continue
                 try:
-                    self.loads[index] = {
-                        str(k): int(v) for k, v in json.loads(update.value).items()
-                    }
+                    raw = json.loads(update.value)
+                    workers = raw.get("workers")
+                    if not isinstance(workers, dict):  # a shard of an earlier release
+                        workers, raw = raw, {}
+                    self.loads[index] = {str(k): int(v) for k, v in workers.items()}
+                    self.counters[index] = (
+                        int(raw.get("epoch", 0)),
+                        int(raw.get("started", 0)),
+                        int(raw.get("dropped", 0)),
+                    )
                 except (ValueError, TypeError, AttributeError):
                     continue
         finally:
             await stop_watch(watcher)
 
     async def publish_loads(self) -> None:
-        """Publishes this shard's open sessions per worker every LOAD_PUBLISH_S (when they
-        changed, and at least every few seconds so the bucket's TTL keeps them), and keeps
-        the static workers (``--worker``) alive in the pool, until cancelled."""
+        """Publishes this shard's open sessions per worker and its admission counters
+        (epoch, groups started, groups dropped) every LOAD_PUBLISH_S (when they changed, and
+        at least every few seconds so the bucket's TTL keeps them), and keeps the static
+        workers (``--worker``) alive in the pool, until cancelled."""
         kv = await self.link.js.key_value(LOAD_BUCKET)
         key = f"shard-{self.shard.index}"
         rounds = 0
         while True:
             for spec in self._static:
-                known = self.entries.get(spec.worker_id)
-                entry = WorkerEntry(
-                    spec.worker_id,
-                    spec.address,
-                    spec.capacity,
-                    dict(spec.labels),
-                    known.draining if known is not None else False,
-                    time.time(),
-                )
-                await self._put(entry, "a static worker")
+                await self.write(spec.worker_id, _static_beat(spec), "a static worker")
             load = {w.worker_id: len(w.open_sessions) for w in self.router.workers}
-            if load != self._published_load or rounds % 5 == 0:
-                await kv.put(key, json.dumps(load).encode())
-                self._published_load = load
+            gate = self.router.trainer
+            published: dict[str, Any] = {
+                "workers": load,
+                "epoch": gate.epoch,
+                "started": gate.started,
+                "dropped": gate.dropped,
+            }
+            if published != self._published_load or rounds % 5 == 0:
+                await kv.put(key, json.dumps(published).encode())
+                self._published_load = published
                 self.loads[self.shard.index] = load
             rounds += 1
             await asyncio.sleep(LOAD_PUBLISH_S)
@@ -408,11 +501,27 @@ class PoolMirror:
             if worker.healthy and worker.worker_id in self.entries:
                 self.router.heartbeat(worker.worker_id)
 
+    def fleet_counters(self) -> tuple[int, int]:
+        """(groups started, groups dropped) summed over shards in this shard's epoch: its
+        own counted live, the others' as they last published them (at most LOAD_PUBLISH_S
+        plus a watch delay old; a shard gone longer than the load bucket's TTL counts 0)."""
+        gate = self.router.trainer
+        started, dropped = gate.started, gate.dropped
+        for index, (epoch, s, d) in self.counters.items():
+            if index != self.shard.index and epoch == gate.epoch:
+                started += s
+                dropped += d
+        return started, dropped
+
+    def others_open(self, worker_id: str) -> int:
+        """Open sessions on the worker on the other shards, as they last published them."""
+        return sum(
+            load.get(worker_id, 0)
+            for index, load in self.loads.items()
+            if index != self.shard.index
+        )
+
     def cluster_open(self, worker_id: str) -> int:
         """Open sessions on the worker summed over shards (this one's counted live)."""
         local = self.router.find_worker(worker_id)
-        total = len(local.open_sessions) if local is not None else 0
-        for index, load in self.loads.items():
-            if index != self.shard.index:
-                total += load.get(worker_id, 0)
-        return total
+        return (len(local.open_sessions) if local is not None else 0) + self.others_open(worker_id)

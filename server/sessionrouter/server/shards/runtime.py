@@ -16,7 +16,9 @@ import logging
 from sessionrouter.server.config import WorkerSpec
 from sessionrouter.server.core.router import SessionRouter
 from sessionrouter.server.core.streams import Commit
+from sessionrouter.server.servicer import WorkerServicer
 from sessionrouter.server.shards.admission import FleetAdmission
+from sessionrouter.server.shards.fleet_updates import FleetUpdates
 from sessionrouter.server.shards.guard import ShardGuard
 from sessionrouter.server.shards.identity import (
     SEQ_SPAN,
@@ -30,8 +32,8 @@ from sessionrouter.server.shards.metrics import ShardCollector
 from sessionrouter.server.shards.pool import PoolMirror
 from sessionrouter.server.shards.publisher import FeedPublisher, feed_epoch, largest_payload
 from sessionrouter.server.shards.registry import ShardRegistry
+from sessionrouter.server.shards.shared_workers import SharedWorkers
 from sessionrouter.server.shards.trainer_service import FleetSessionServicer
-from sessionrouter.server.shards.worker_service import ShardedWorkerServicer
 from sessionrouter.server.status import Refusals
 
 log = logging.getLogger("sessionrouter.shards")
@@ -57,6 +59,7 @@ class ShardRuntime:
         self._state_dir = state_dir
         self.publisher = FeedPublisher(router.feed, self.link, config.shard, feed_epoch(None))
         self.admission = FleetAdmission(router, self.link, config.shard, config.lease_chunk)
+        self.updates = FleetUpdates(self.pool, self.admission)
         self._tasks: list[asyncio.Task[None]] = []
         self._collector: ShardCollector | None = None
         router.new_group_id = self.ownership.mint_group_id
@@ -115,6 +118,7 @@ class ShardRuntime:
             "feed-publish": self.publisher.run,
             "trainer-watch": self.admission.watch,
             "lease-return": self.admission.return_unused,
+            "update-settle": self.updates.run,
         }
         self._tasks = [
             asyncio.create_task(retry_forever(name, self.link, body), name=name)
@@ -150,12 +154,15 @@ class ShardRuntime:
 
     def servicers(
         self, commit: Commit, refusals: Refusals
-    ) -> tuple[FleetSessionServicer, ShardedWorkerServicer]:
+    ) -> tuple[FleetSessionServicer, WorkerServicer]:
         """The services of a sharded router: the merged feed and the fleet's trainer state,
         the shared pool."""
-        sessions = FleetSessionServicer(self.router, self.link, self.admission, commit, refusals)
+        sessions = FleetSessionServicer(
+            self.router, self.link, self.admission, self.pool, commit, refusals
+        )
         sessions.result_shard = self.config.shard.index
-        return sessions, ShardedWorkerServicer(self.router, self.pool, commit, refusals)
+        workers = SharedWorkers(self.pool, self.updates)
+        return sessions, WorkerServicer(self.router, commit, refusals, workers)
 
     def collector(self) -> ShardCollector:
         """The shard's metrics (refreshed on every tick)."""

@@ -1,0 +1,150 @@
+"""Weight updates across shards: BeginWeightUpdate and CompleteWeightUpdate on any shard move
+the workers of the whole fleet.
+
+Where the state lives: each worker's target version is in its pool record
+(``WorkerEntry.updating_to``, ``shards.pool``), which every shard watches and applies to its
+own placement; the update in progress (its version, and whether it is fleet-wide, which makes
+starts wait or be refused on every shard) is in the fleet's trainer-state entry
+(``shards.admission``), which has no TTL. Both are written by compare-and-set.
+
+**The same checks as one router**, against the pool as this shard sees it, before anything is
+written (``core.weight_updates``): the same codes, reasons and details. Each record write
+checks its worker again against the current record, so two shards beginning conflicting
+updates at once cannot both win; the one that loses puts back the workers it had already
+moved and gets the refusal (UPDATE_IN_PROGRESS), so nothing is left half-begun.
+
+**Order.** Begin writes the workers' records first, then the marker: every shard stops placing
+on a worker as soon as its record arrives. Complete (or a heartbeat at the target, on any
+shard) clears a record; the marker is cleared by whichever shard then sees no worker of the
+pool updating (the writer at once, every shard within ``SETTLE_S``: a heartbeat, a
+deregistration or an expiry can end the last update anywhere).
+
+**Counts.** ``interrupted_sessions`` is what this shard marked, plus the other shards' open
+sessions on the selected workers as they last published them (each shard marks its own when
+it sees the update begin): exact on one shard, at most ``LOAD_PUBLISH_S`` old for the others.
+
+**NATS down.** Both calls are UNAVAILABLE ``NATS_UNAVAILABLE`` after the checks (bad input
+still gets its own refusal): an update that reached one shard only is what this module
+prevents. A heartbeat received during the outage still ends its worker's update on that shard
+and reaches the others when NATS is back.
+
+**Restart.** A shard journals what it applied (``WorkerSaved.updating_to``, the trainer's
+update marker), but the pool and the trainer entry are the truth: once connected, a shard
+applies them over what its journal said. Only when NATS lost its store does the journal seed
+the marker again (the pool records come back as workers register).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import replace
+
+from sessionrouter.server.core.errors import RouterError
+from sessionrouter.server.core.weight_updates import (
+    WeightUpdate,
+    check_can_update,
+    check_completion,
+    select_for_update,
+)
+from sessionrouter.server.shards.admission import FleetAdmission
+from sessionrouter.server.shards.pool import Change, PoolMirror, WorkerEntry, nats_unavailable
+
+SETTLE_S = 1.0
+"""How often each shard checks whether the update in progress has ended."""
+
+
+class FleetUpdates:
+    """BeginWeightUpdate and CompleteWeightUpdate over the shared pool and trainer entry."""
+
+    def __init__(self, pool: PoolMirror, fleet: FleetAdmission) -> None:
+        self.pool = pool
+        self.fleet = fleet
+
+    def updating(self) -> bool:
+        """Whether any worker of the pool is in a weight update."""
+        return any(e.updating_to for e in self.pool.entries.values())
+
+    async def begin(
+        self, version: int, worker_ids: Sequence[str], interrupt: bool
+    ) -> tuple[list[WorkerEntry], int]:
+        """Takes the selected workers (all when none is named) out of every shard's
+        placement until they serve ``version``; returns them and the sessions interrupted
+        (module docstring)."""
+        chosen = select_for_update(self.pool, version, worker_ids)
+        if not self.pool.link.connected:
+            raise nats_unavailable("a weight update")
+        moved: list[str] = []
+        entries: list[WorkerEntry] = []
+        interrupted = 0
+        try:
+            for worker in chosen:
+                entry, marked = await self.pool.write(
+                    worker.worker_id,
+                    _begun(worker.worker_id, version, interrupt),
+                    "a weight update",
+                )
+                if worker.updating_to != version:
+                    moved.append(worker.worker_id)
+                entries.append(entry)
+                interrupted += marked
+        except RouterError:
+            await self._put_back(moved, version)
+            raise
+        if interrupt:
+            interrupted += sum(self.pool.others_open(e.worker_id) for e in entries)
+        if entries:
+            await self.fleet.mark_update(WeightUpdate(version, fleet_wide=not worker_ids))
+        return entries, interrupted
+
+    async def _put_back(self, worker_ids: list[str], version: int) -> None:
+        """Undoes the records a refused Begin had already written."""
+
+        def undo(known: WorkerEntry | None) -> WorkerEntry | None:
+            if known is None or known.updating_to != version:
+                return None
+            return replace(known, updating_to=0, interrupt=False)
+
+        for worker_id in worker_ids:
+            await self.pool.write(worker_id, undo, "a weight update")
+
+    async def complete(self, worker_id: str, version: int) -> tuple[WorkerEntry, bool]:
+        """Puts a worker back with its new version on every shard; returns it and whether
+        the update is over (no worker of the pool left updating)."""
+        check_completion(self.pool.get(worker_id), version)
+        if not self.pool.link.connected:
+            raise nats_unavailable("a weight update")
+
+        def completed(known: WorkerEntry | None) -> WorkerEntry:
+            current = self.pool.known(worker_id, known)
+            target = check_completion(current, version)
+            return replace(current, policy_version=target, updating_to=0, interrupt=False)
+
+        entry, _ = await self.pool.write(worker_id, completed, "a weight update")
+        await self.settle()
+        return entry, not self.updating()
+
+    async def settle(self) -> None:
+        """Clears the fleet's update marker once no worker of the pool is updating."""
+        state = self.fleet.state
+        if state is not None and state.update is not None and not self.updating():
+            await self.fleet.end_update(lambda: not self.updating())
+
+    async def run(self) -> None:
+        """``settle`` every SETTLE_S until cancelled (run under ``retry_forever``)."""
+        while True:
+            await self.settle()
+            await asyncio.sleep(SETTLE_S)
+
+
+def _begun(worker_id: str, version: int, interrupt: bool) -> Change:
+    """The record write of a Begin for one worker, checked again against its record."""
+
+    def change(known: WorkerEntry | None) -> WorkerEntry | None:
+        current = PoolMirror.known(worker_id, known)
+        check_can_update(current, version)
+        if current.updating_to == version:
+            return None
+        return replace(current, updating_to=version, interrupt=interrupt)
+
+    return change
