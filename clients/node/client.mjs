@@ -12,7 +12,11 @@
 //     session) and a NaN reward along the way, check every entry's status, and check the
 //     group_result's advantages against GRPO computed here (ddof 1, eps 1e-6), and its
 //     versions (min and max policy version 3, trainer version 2);
-//  5. deregister the workers.
+//  5. begin a weight update of worker 0 to version 4 with one call (no group id: through a
+//     shard map it reaches one shard, and the shards share the update through NATS), start
+//     UPDATE_PROBES groups of one member (ids spread over the shards), check none is placed
+//     on worker 0, complete the update and check the worker serves version 4;
+//  6. deregister the workers.
 //
 // Every call about the group carries the x-group-id header, so the scenario also runs through
 // a proxy that maps groups to shards (nginx hashing $http_x_group_id): worker calls name no
@@ -35,6 +39,7 @@ const REWARDS = [1, 0, 0, 1];
 const POLICY_VERSION = 3n; // uint64 fields are bigint in protobuf-es
 const TRAINER_VERSION = 2n;
 const CALL_OPTIONS = { timeoutMs: 30_000 };
+const UPDATE_PROBES = 9;
 
 /** Call options for a call about `groupId`: the header a shard map routes by. */
 function groupOptions(groupId) {
@@ -212,6 +217,38 @@ async function submitRewards(sessions, groupId, members) {
   checkResult(results[0], groupId, members);
 }
 
+async function weightUpdate(workers, sessions, workerIds, groupId, taskId) {
+  const target = POLICY_VERSION + 1n;
+  const begun = await workers.beginWeightUpdate(
+    { version: target, workerIds: [workerIds[0]] },
+    CALL_OPTIONS,
+  );
+  check(
+    begun.workers.length === 1 && begun.workers[0].updatingToVersion === target,
+    `BeginWeightUpdate: ${JSON.stringify(begun.workers.map((w) => w.workerId))}`,
+  );
+  for (let i = 0; i < UPDATE_PROBES; i++) {
+    const probe = `${groupId}-update-${i}`;
+    const reply = await sessions.startSession(
+      { taskId, groupId: probe, groupSize: 1, groupOptions: { selector: { client: "node" } } },
+      groupOptions(probe),
+    );
+    check(
+      reply.session.workerId !== workerIds[0],
+      `group ${probe} was placed on ${workerIds[0]}, which is updating its weights`,
+    );
+    await sessions.abortSession({ session: reply.session.name, reason: "probe" }, groupOptions(probe));
+  }
+  const done = await workers.completeWeightUpdate({ workerId: workerIds[0] }, CALL_OPTIONS);
+  check(done.updateFinished, "CompleteWeightUpdate: update_finished is false");
+  const after = await workers.getWorker({ workerId: workerIds[0] }, CALL_OPTIONS);
+  check(
+    after.worker.policyVersion === target && after.worker.updatingToVersion === 0n,
+    `worker ${workerIds[0]} after the update: version ${after.worker.policyVersion}, updating to ${after.worker.updatingToVersion}`,
+  );
+  console.log(`weight update of ${workerIds[0]} to ${target}: no probe placed on it, completed`);
+}
+
 async function run(address) {
   // Plain gRPC over HTTP/2 without TLS, as the router serves it by default.
   const transport = createGrpcTransport({ baseUrl: `http://${address}` });
@@ -235,11 +272,12 @@ async function run(address) {
     console.log(`registered workers ${workerIds.join(", ")}`);
     const groupId = `node-${runId}`;
     const taskId = `node-task-${runId}`;
-    // Each shard keeps its own trainer state: it goes to the group's shard, as the group does.
+    // Shards share the trainer state: any one of them writes it for all.
     await sessions.setTrainerState({ version: TRAINER_VERSION }, groupOptions(groupId));
     const members = await startGroup(sessions, groupId, taskId);
     await checkSizeConflict(sessions, groupId, taskId);
     await submitRewards(sessions, groupId, members);
+    await weightUpdate(workers, sessions, workerIds, groupId, taskId);
   } finally {
     const results = await Promise.allSettled(
       workerIds.map((id) => workers.deregisterWorker({ workerId: id }, CALL_OPTIONS)),

@@ -83,7 +83,8 @@ def test_client_runs_the_scenario_through_the_nginx_shard_map(
     language: str, shard_map: Cluster
 ) -> None:
     """The same scenario, unchanged, through nginx in front of 3 shards: the group's calls
-    reach its owner by their x-group-id, the worker calls any shard (one shared pool)."""
+    reach its owner by their x-group-id, the worker calls any shard (one shared pool, with
+    its weight updates)."""
     client = CLIENTS[language]
     require_tools(*client.tools)
     make(client.make_target)
@@ -92,9 +93,10 @@ def test_client_runs_the_scenario_through_the_nginx_shard_map(
     calls = shard_map.nginx.access_log()[before:]
     keyed = {(key, upstream) for key, upstream, _ in calls if key not in ("", "-")}
     groups = {key for key, _ in keyed}
-    # Every call about a group named it (the Go scenario has a second, columnar group), and
-    # each reached that group's owner.
-    assert len(groups) == (2 if language == "go" else 1), keyed
+    # Every call about a group named it (the Go scenario has a second, columnar group; the
+    # Node one probes placement during a weight update with 9 more), and each reached that
+    # group's owner.
+    assert len(groups) == {"go": 2, "node": 10}.get(language, 1), keyed
     for group in groups:
         owner = shard_map.addresses[shard_of(group, 3)]
         assert {upstream for key, upstream in keyed if key == group} == {owner}, keyed

@@ -1,6 +1,6 @@
 """The SessionService unary methods of ``SessionRouterClient``: start sessions and groups,
 abort, look up and list (a sharded list walks the shards in order, its page token naming the
-shard), and the trainer state (broadcast: each shard admits its own groups)."""
+shard), and the trainer state (one call on any shard: the shards share it through NATS)."""
 
 # `timeout=` on these coroutines is the gRPC deadline, sent to the router and shared by the
 # retries of one call; `asyncio.timeout` around the call could not do either (ASYNC109).

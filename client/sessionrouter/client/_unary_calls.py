@@ -3,8 +3,9 @@ by the retries, and a ``WRONG_SHARD`` refusal followed once to the owner it name
 
 ``UnaryCalls`` is the base of the client's method groups (``_worker_calls``,
 ``_session_calls``, ``_feed_calls``, ``_reward_calls``): it holds what every call needs (the
-shard routing, the metadata, the default deadline and the retrier) and the two ways of
-calling, one shard (``_unary``) or every shard (``_broadcast``).
+shard routing, the metadata, the default deadline and the retrier) and the one way of
+calling (``_unary``): every call reaches one shard, since what sharded routers share (the
+worker pool with its weight updates, the trainer state) any shard writes for all.
 """
 
 # `timeout=` on these coroutines is the gRPC deadline, sent to the router and shared by the
@@ -12,7 +13,6 @@ calling, one shard (``_unary``) or every shard (``_broadcast``).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import (
@@ -65,19 +65,6 @@ class UnaryCalls:
             _log.warning("%s; following it to %s", error, owner.stubs.address or owner.shard)
             left = None if budget is None else max(0.0, budget - (time.monotonic() - started))
             return await self._unary_on(owner, method, request, left)
-
-    async def _broadcast(
-        self,
-        method: Callable[[ShardStubs], grpc.aio.UnaryUnaryMultiCallable[Req, Resp]],
-        request: Req,
-        timeout: float | None,
-    ) -> list[Resp]:
-        """The same call on every shard, concurrently; the replies in shard order. For state
-        each shard keeps for itself (trainer state, weight updates); one call when unsharded."""
-        routes = [self._routing.shard(i) for i in range(self._routing.count)]
-        return list(
-            await asyncio.gather(*(self._unary(method, request, timeout, r) for r in routes))
-        )
 
     async def _unary_on(
         self,

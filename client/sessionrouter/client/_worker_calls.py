@@ -1,6 +1,6 @@
 """The WorkerService methods of ``SessionRouterClient``: register, heartbeat, drain,
-deregister, look up and list workers, and weight updates (broadcast to every shard, since
-each shard places on the whole pool)."""
+deregister, look up and list workers, and weight updates (one call on any shard: sharded
+routers share the pool, with each worker's update state, through NATS)."""
 
 # `timeout=` on these coroutines is the gRPC deadline, sent to the router and shared by the
 # retries of one call; `asyncio.timeout` around the call could not do either (ASYNC109).
@@ -122,12 +122,12 @@ class WorkerCalls(UnaryCalls):
         request = wpb.BeginWeightUpdateRequest(
             version=version, worker_ids=list(worker_ids), interrupt_sessions=interrupt_sessions
         )
-        # Every shard places on the whole pool: each takes the workers out of its placement.
-        responses = await self._broadcast(lambda s: s.workers.BeginWeightUpdate, request, timeout)
+        # The shard reached writes the update to the shared pool: every shard applies it.
+        response = await self._unary(lambda s: s.workers.BeginWeightUpdate, request, timeout)
         return WeightUpdate(
             version=version,
-            workers=tuple(_convert.worker_from_proto(w) for w in responses[0].workers),
-            interrupted_sessions=sum(r.interrupted_sessions for r in responses),
+            workers=tuple(_convert.worker_from_proto(w) for w in response.workers),
+            interrupted_sessions=response.interrupted_sessions,
         )
 
     async def complete_weight_update(
@@ -136,11 +136,8 @@ class WorkerCalls(UnaryCalls):
         """Puts a worker back with its new version (0: the update's target); returns the
         worker and whether the whole update is over."""
         request = wpb.CompleteWeightUpdateRequest(worker_id=worker_id, version=version)
-        responses = await self._broadcast(
-            lambda s: s.workers.CompleteWeightUpdate, request, timeout
-        )
-        finished = all(r.update_finished for r in responses)
-        return _convert.worker_from_proto(responses[0].worker), finished
+        response = await self._unary(lambda s: s.workers.CompleteWeightUpdate, request, timeout)
+        return _convert.worker_from_proto(response.worker), response.update_finished
 
     @contextlib.asynccontextmanager
     async def weight_update(
