@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 import grpc
 import pytest
 
+from sessionrouter.client import SessionRouterClient
 from sessionrouter.client.shardmap import shard_of
 from sessionrouter.v1 import resources_pb2 as pb
 from sessionrouter.v1 import session_service_pb2 as spb
@@ -397,6 +398,34 @@ async def test_get_trainer_state_counts_the_whole_fleet(shards: list[Stubs]) -> 
     await shards[0].sessions.SetTrainerState(
         spb.SetTrainerStateRequest(version=1, clear_policy=True)
     )
+
+
+def updating_to(version: int) -> Callable[[pb.Worker], bool]:
+    return lambda w: w.updating_to_version == version
+
+
+def serving(version: int) -> Callable[[pb.Worker], bool]:
+    """Out of any update, at ``version``."""
+    return lambda w: (w.updating_to_version, w.policy_version) == (0, version)
+
+
+async def test_the_python_client_updates_the_fleet_with_one_call(
+    cluster: Cluster, shards: list[Stubs]
+) -> None:
+    run = run_id()
+    worker = f"py-{run}"
+    labels = {"run": run}
+    async with pool(shards, {worker: 30}, labels):
+        for client in (
+            SessionRouterClient.connect(cluster.addresses, default_timeout=20.0),
+            SessionRouterClient.connect(cluster.nginx.target, shard_count=N, default_timeout=20.0),
+        ):
+            async with client:
+                version = (await client.get_worker(worker)).policy_version + 1
+                async with client.weight_update(version, worker_ids=[worker]) as update:
+                    assert [w.worker_id for w in update.workers] == [worker]
+                    await eventually(await on_every_shard(shards, worker, updating_to(version)))
+                await eventually(await on_every_shard(shards, worker, serving(version)))
 
 
 async def test_with_nats_down_updates_are_unavailable(
