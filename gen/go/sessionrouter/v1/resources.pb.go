@@ -1311,7 +1311,9 @@ type TrainerState struct {
 	// report different known policy versions.
 	RefuseMixedVersions bool `protobuf:"varint,3,opt,name=refuse_mixed_versions,json=refuseMixedVersions,proto3" json:"refuse_mixed_versions,omitempty"`
 	// Groups admitted since the policy was set (or its counters reset), and how many of them
-	// were dropped since.
+	// were dropped since. Sharded routers: summed over the shards, the answering shard's
+	// counted live and the others' as they last published them (about 1 s old; a shard gone
+	// longer than 15 s counts 0 until it is back).
 	GroupsStarted uint64 `protobuf:"varint,4,opt,name=groups_started,json=groupsStarted,proto3" json:"groups_started,omitempty"`
 	GroupsDropped uint64 `protobuf:"varint,5,opt,name=groups_dropped,json=groupsDropped,proto3" json:"groups_dropped,omitempty"`
 	// `(version + max_staleness + 1) * batch_size`: admission stays open while

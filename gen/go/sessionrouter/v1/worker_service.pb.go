@@ -719,7 +719,9 @@ type BeginWeightUpdateResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The selected workers, now updating.
 	Workers []*Worker `protobuf:"bytes,1,rep,name=workers,proto3" json:"workers,omitempty"`
-	// Open sessions marked interrupted.
+	// Open sessions marked interrupted. Sharded routers: those the answering shard marked,
+	// plus the other shards' open sessions on the selected workers as they last published
+	// them (about 1 s old; each shard marks its own).
 	InterruptedSessions uint32 `protobuf:"varint,2,opt,name=interrupted_sessions,json=interruptedSessions,proto3" json:"interrupted_sessions,omitempty"`
 	unknownFields       protoimpl.UnknownFields
 	sizeCache           protoimpl.SizeCache
@@ -827,7 +829,8 @@ type CompleteWeightUpdateResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The worker, back in placement.
 	Worker *Worker `protobuf:"bytes,1,opt,name=worker,proto3" json:"worker,omitempty"`
-	// True when no worker of the update is left updating (the update is over).
+	// True when no worker of the update is left updating (the update is over); sharded
+	// routers: no worker of the shared pool.
 	UpdateFinished bool `protobuf:"varint,2,opt,name=update_finished,json=updateFinished,proto3" json:"update_finished,omitempty"`
 	unknownFields  protoimpl.UnknownFields
 	sizeCache      protoimpl.SizeCache

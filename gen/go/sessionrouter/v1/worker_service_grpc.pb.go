@@ -62,10 +62,14 @@ type WorkerServiceClient interface {
 	// fleet-wide update new sessions wait or get UNAVAILABLE (WEIGHT_UPDATE_IN_PROGRESS), as
 	// the start request asks. An unknown worker is NOT_FOUND, a version not above a selected
 	// worker's current one FAILED_PRECONDITION; nothing changes then.
+	// Sharded routers: one call on any shard reaches every shard (the workers' update state
+	// is in the shared pool), checked against the whole pool with the same refusals; with NATS
+	// unreachable it is UNAVAILABLE (NATS_UNAVAILABLE) and nothing changes.
 	BeginWeightUpdate(ctx context.Context, in *BeginWeightUpdateRequest, opts ...grpc.CallOption) (*BeginWeightUpdateResponse, error)
 	// Puts a worker back into placement with its new version. A worker not in a weight update
 	// is FAILED_PRECONDITION (WORKER_NOT_UPDATING). A heartbeat that reports the target
-	// version (or a newer one) does the same.
+	// version (or a newer one) does the same. Sharded routers: on any shard, for every shard;
+	// UNAVAILABLE (NATS_UNAVAILABLE) with NATS unreachable.
 	CompleteWeightUpdate(ctx context.Context, in *CompleteWeightUpdateRequest, opts ...grpc.CallOption) (*CompleteWeightUpdateResponse, error)
 }
 
@@ -188,10 +192,14 @@ type WorkerServiceServer interface {
 	// fleet-wide update new sessions wait or get UNAVAILABLE (WEIGHT_UPDATE_IN_PROGRESS), as
 	// the start request asks. An unknown worker is NOT_FOUND, a version not above a selected
 	// worker's current one FAILED_PRECONDITION; nothing changes then.
+	// Sharded routers: one call on any shard reaches every shard (the workers' update state
+	// is in the shared pool), checked against the whole pool with the same refusals; with NATS
+	// unreachable it is UNAVAILABLE (NATS_UNAVAILABLE) and nothing changes.
 	BeginWeightUpdate(context.Context, *BeginWeightUpdateRequest) (*BeginWeightUpdateResponse, error)
 	// Puts a worker back into placement with its new version. A worker not in a weight update
 	// is FAILED_PRECONDITION (WORKER_NOT_UPDATING). A heartbeat that reports the target
-	// version (or a newer one) does the same.
+	// version (or a newer one) does the same. Sharded routers: on any shard, for every shard;
+	// UNAVAILABLE (NATS_UNAVAILABLE) with NATS unreachable.
 	CompleteWeightUpdate(context.Context, *CompleteWeightUpdateRequest) (*CompleteWeightUpdateResponse, error)
 	mustEmbedUnimplementedWorkerServiceServer()
 }

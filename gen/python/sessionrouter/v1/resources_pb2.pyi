@@ -839,7 +839,9 @@ class TrainerState(_message.Message):
     """
     groups_started: _builtins.int
     """Groups admitted since the policy was set (or its counters reset), and how many of them
-    were dropped since.
+    were dropped since. Sharded routers: summed over the shards, the answering shard's
+    counted live and the others' as they last published them (about 1 s old; a shard gone
+    longer than 15 s counts 0 until it is back).
     """
     groups_dropped: _builtins.int
     admission_limit: _builtins.int

@@ -370,7 +370,10 @@ class BeginWeightUpdateResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _builtins.int
     INTERRUPTED_SESSIONS_FIELD_NUMBER: _builtins.int
     interrupted_sessions: _builtins.int
-    """Open sessions marked interrupted."""
+    """Open sessions marked interrupted. Sharded routers: those the answering shard marked,
+    plus the other shards' open sessions on the selected workers as they last published
+    them (about 1 s old; each shard marks its own).
+    """
     @_builtins.property
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.Worker]:
         """The selected workers, now updating."""
@@ -421,7 +424,9 @@ class CompleteWeightUpdateResponse(_message.Message):
     WORKER_FIELD_NUMBER: _builtins.int
     UPDATE_FINISHED_FIELD_NUMBER: _builtins.int
     update_finished: _builtins.bool
-    """True when no worker of the update is left updating (the update is over)."""
+    """True when no worker of the update is left updating (the update is over); sharded
+    routers: no worker of the shared pool.
+    """
     @_builtins.property
     def worker(self) -> _resources_pb2.Worker:
         """The worker, back in placement."""

@@ -146,6 +146,9 @@ class WorkerServiceServicer(object):
         fleet-wide update new sessions wait or get UNAVAILABLE (WEIGHT_UPDATE_IN_PROGRESS), as
         the start request asks. An unknown worker is NOT_FOUND, a version not above a selected
         worker's current one FAILED_PRECONDITION; nothing changes then.
+        Sharded routers: one call on any shard reaches every shard (the workers' update state
+        is in the shared pool), checked against the whole pool with the same refusals; with NATS
+        unreachable it is UNAVAILABLE (NATS_UNAVAILABLE) and nothing changes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -154,7 +157,8 @@ class WorkerServiceServicer(object):
     def CompleteWeightUpdate(self, request, context):
         """Puts a worker back into placement with its new version. A worker not in a weight update
         is FAILED_PRECONDITION (WORKER_NOT_UPDATING). A heartbeat that reports the target
-        version (or a newer one) does the same.
+        version (or a newer one) does the same. Sharded routers: on any shard, for every shard;
+        UNAVAILABLE (NATS_UNAVAILABLE) with NATS unreachable.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -62,11 +62,15 @@ class WorkerServiceStub:
     fleet-wide update new sessions wait or get UNAVAILABLE (WEIGHT_UPDATE_IN_PROGRESS), as
     the start request asks. An unknown worker is NOT_FOUND, a version not above a selected
     worker's current one FAILED_PRECONDITION; nothing changes then.
+    Sharded routers: one call on any shard reaches every shard (the workers' update state
+    is in the shared pool), checked against the whole pool with the same refusals; with NATS
+    unreachable it is UNAVAILABLE (NATS_UNAVAILABLE) and nothing changes.
     """
     CompleteWeightUpdate: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.CompleteWeightUpdateRequest, _worker_service_pb2.CompleteWeightUpdateResponse]
     """Puts a worker back into placement with its new version. A worker not in a weight update
     is FAILED_PRECONDITION (WORKER_NOT_UPDATING). A heartbeat that reports the target
-    version (or a newer one) does the same.
+    version (or a newer one) does the same. Sharded routers: on any shard, for every shard;
+    UNAVAILABLE (NATS_UNAVAILABLE) with NATS unreachable.
     """
 
 @_typing.type_check_only
@@ -103,11 +107,15 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     fleet-wide update new sessions wait or get UNAVAILABLE (WEIGHT_UPDATE_IN_PROGRESS), as
     the start request asks. An unknown worker is NOT_FOUND, a version not above a selected
     worker's current one FAILED_PRECONDITION; nothing changes then.
+    Sharded routers: one call on any shard reaches every shard (the workers' update state
+    is in the shared pool), checked against the whole pool with the same refusals; with NATS
+    unreachable it is UNAVAILABLE (NATS_UNAVAILABLE) and nothing changes.
     """
     CompleteWeightUpdate: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.CompleteWeightUpdateRequest, _worker_service_pb2.CompleteWeightUpdateResponse]  # type: ignore[assignment]
     """Puts a worker back into placement with its new version. A worker not in a weight update
     is FAILED_PRECONDITION (WORKER_NOT_UPDATING). A heartbeat that reports the target
-    version (or a newer one) does the same.
+    version (or a newer one) does the same. Sharded routers: on any shard, for every shard;
+    UNAVAILABLE (NATS_UNAVAILABLE) with NATS unreachable.
     """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -183,6 +191,9 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         fleet-wide update new sessions wait or get UNAVAILABLE (WEIGHT_UPDATE_IN_PROGRESS), as
         the start request asks. An unknown worker is NOT_FOUND, a version not above a selected
         worker's current one FAILED_PRECONDITION; nothing changes then.
+        Sharded routers: one call on any shard reaches every shard (the workers' update state
+        is in the shared pool), checked against the whole pool with the same refusals; with NATS
+        unreachable it is UNAVAILABLE (NATS_UNAVAILABLE) and nothing changes.
         """
 
     @_abc_1.abstractmethod
@@ -193,7 +204,8 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_worker_service_pb2.CompleteWeightUpdateResponse, _abc.Awaitable[_worker_service_pb2.CompleteWeightUpdateResponse]]:
         """Puts a worker back into placement with its new version. A worker not in a weight update
         is FAILED_PRECONDITION (WORKER_NOT_UPDATING). A heartbeat that reports the target
-        version (or a newer one) does the same.
+        version (or a newer one) does the same. Sharded routers: on any shard, for every shard;
+        UNAVAILABLE (NATS_UNAVAILABLE) with NATS unreachable.
         """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -98,6 +98,8 @@ class FleetState:
     """The target version of the weight update in progress (0: none)."""
     update_fleet_wide: bool = False
     """The update in progress selected every worker: starts wait or are refused."""
+    update_since: float = 0.0
+    """Unix seconds when the update in progress was begun."""
 
     @property
     def update(self) -> WeightUpdate | None:
@@ -133,6 +135,7 @@ class FleetState:
                 "short": {str(k): v for k, v in sorted(self.short.items())},
                 "update_version": self.update_version,
                 "update_fleet_wide": self.update_fleet_wide,
+                "update_since": self.update_since,
             },
             sort_keys=True,
         ).encode()
@@ -150,6 +153,7 @@ class FleetState:
             {int(k): float(v) for k, v in dict(raw.get("short", {})).items()},
             int(raw.get("update_version", 0)),
             bool(raw.get("update_fleet_wide", False)),
+            float(raw.get("update_since", 0.0)),
         )
 
     @classmethod
@@ -299,7 +303,12 @@ class FleetAdmission:
             base = state or FleetState.of(self.router.trainer, {})
             if base.update == update:
                 return None
-            return replace(base, update_version=update.version, update_fleet_wide=update.fleet_wide)
+            return replace(
+                base,
+                update_version=update.version,
+                update_fleet_wide=update.fleet_wide,
+                update_since=time.time(),
+            )
 
         await self._write(marked, "a weight update")
 
@@ -310,7 +319,7 @@ class FleetAdmission:
         def cleared(state: FleetState | None) -> FleetState | None:
             if state is None or state.update is None or not done():
                 return None
-            return replace(state, update_version=0, update_fleet_wide=False)
+            return replace(state, update_version=0, update_fleet_wide=False, update_since=0.0)
 
         await self._write(cleared, "a weight update")
 

@@ -17,7 +17,11 @@ moved and gets the refusal (UPDATE_IN_PROGRESS), so nothing is left half-begun.
 on a worker as soon as its record arrives. Complete (or a heartbeat at the target, on any
 shard) clears a record; the marker is cleared by whichever shard then sees no worker of the
 pool updating (the writer at once, every shard within ``SETTLE_S``: a heartbeat, a
-deregistration or an expiry can end the last update anywhere).
+deregistration or an expiry can end the last update anywhere). Records and marker come
+through two watches in no guaranteed order; ``settle`` puts each shard back in step with the
+marker within ``SETTLE_S``, and a shard ends an update it did not complete itself only
+``SETTLE_GRACE_S`` after it began, so a marker that came first is not taken for an update
+already over.
 
 **Counts.** ``interrupted_sessions`` is what this shard marked, plus the other shards' open
 sessions on the selected workers as they last published them (each shard marks its own when
@@ -37,6 +41,7 @@ the marker again (the pool records come back as workers register).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -52,6 +57,9 @@ from sessionrouter.server.shards.pool import Change, PoolMirror, WorkerEntry, na
 
 SETTLE_S = 1.0
 """How often each shard checks whether the update in progress has ended."""
+SETTLE_GRACE_S = 3.0
+"""A shard that did not write the last completion ends an update only this long after it
+began: the workers' records may reach it after the marker."""
 
 
 class FleetUpdates:
@@ -121,14 +129,26 @@ class FleetUpdates:
             return replace(current, policy_version=target, updating_to=0, interrupt=False)
 
         entry, _ = await self.pool.write(worker_id, completed, "a weight update")
-        await self.settle()
+        await self.settle(completed_here=True)
         return entry, not self.updating()
 
-    async def settle(self) -> None:
-        """Clears the fleet's update marker once no worker of the pool is updating."""
+    async def settle(self, completed_here: bool = False) -> None:
+        """Clears the fleet's update marker once no worker of the pool is updating, and
+        otherwise holds this router to it: its own bookkeeping ends an update when none of
+        its workers is updating, which the marker arriving before the workers' records (two
+        watches, no order between them) must not turn into a fleet-wide update left
+        unenforced here."""
         state = self.fleet.state
-        if state is not None and state.update is not None and not self.updating():
-            await self.fleet.end_update(lambda: not self.updating())
+        if state is None or state.update is None:
+            return
+        if not self.updating():
+            if completed_here or time.time() - state.update_since >= SETTLE_GRACE_S:
+                await self.fleet.end_update(lambda: not self.updating())
+            return
+        router = self.pool.router
+        if router.weight_update != state.update:
+            router.weight_update = state.update
+            router.trainer_changed()
 
     async def run(self) -> None:
         """``settle`` every SETTLE_S until cancelled (run under ``retry_forever``)."""
