@@ -22,13 +22,12 @@ import grpc
 import pytest
 
 from sessionrouter.client import SessionRouterClient
-from sessionrouter.client.shardmap import shard_of
 from sessionrouter.v1 import resources_pb2 as pb
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
 from sessionrouter.v1 import worker_service_pb2 as wpb
 from sessionrouter.v1 import worker_service_pb2_grpc as wpb_grpc
-from tests.shards.support import eventually
+from tests.shards.support import eventually, owned_group
 from tests.support import details_of, start_harness, stop_harness
 
 from ._cluster import Cluster, running
@@ -74,14 +73,7 @@ def run_id() -> str:
 
 def owned(prefix: str, per_shard: int) -> dict[int, list[str]]:
     """Group ids by the shard that owns them, ``per_shard`` each."""
-    by_shard: dict[int, list[str]] = {i: [] for i in range(N)}
-    k = 0
-    while min(len(ids) for ids in by_shard.values()) < per_shard:
-        group = f"{prefix}-{k}"
-        if len(by_shard[shard_of(group, N)]) < per_shard:
-            by_shard[shard_of(group, N)].append(group)
-        k += 1
-    return by_shard
+    return {i: [owned_group(i, N, f"{prefix}-{k}") for k in range(per_shard)] for i in range(N)}
 
 
 @contextlib.asynccontextmanager
