@@ -3,7 +3,9 @@
 A BeginWeightUpdate reaching one shard (through nginx, which sends a call without a group id
 to any shard, or to one shard's address) takes the workers out of every shard's placement
 until CompleteWeightUpdate or a heartbeat at the target version, on any shard, puts them
-back; a fleet-wide update holds starts on every shard. Bad input gets exactly the single
+back; a fleet-wide update holds starts on every shard; two conflicting updates begun at once
+on two shards never leave a mixture; a restarted shard takes the update state from NATS
+over its journal. Bad input gets exactly the single
 router's refusals (compared call by call against one unsharded router), and with NATS down
 both calls are UNAVAILABLE NATS_UNAVAILABLE. GetTrainerState on any shard counts the groups
 of the whole fleet.
@@ -418,6 +420,80 @@ async def test_the_python_client_updates_the_fleet_with_one_call(
                     assert [w.worker_id for w in update.workers] == [worker]
                     await eventually(await on_every_shard(shards, worker, updating_to(version)))
                 await eventually(await on_every_shard(shards, worker, serving(version)))
+
+
+async def test_conflicting_updates_on_two_shards_never_leave_a_mixture(
+    shards: list[Stubs],
+) -> None:
+    run = run_id()
+    a, b = f"race-{run}-a", f"race-{run}-b"
+    async with pool(shards, {a: 30, b: 30}, {"run": run}):
+        # Opposite orders: each call may find the other's first write on its second worker.
+        outcomes = await asyncio.gather(
+            shards[0].workers.BeginWeightUpdate(
+                wpb.BeginWeightUpdateRequest(version=7, worker_ids=[a, b])
+            ),
+            shards[1].workers.BeginWeightUpdate(
+                wpb.BeginWeightUpdateRequest(version=8, worker_ids=[b, a])
+            ),
+            return_exceptions=True,
+        )
+        won = [v for v, o in zip((7, 8), outcomes, strict=True) if not isinstance(o, Exception)]
+        for outcome in outcomes:
+            if isinstance(outcome, grpc.aio.AioRpcError):
+                assert details_of(outcome).reason == "UPDATE_IN_PROGRESS", outcome
+            else:
+                assert not isinstance(outcome, Exception), outcome
+        assert len(won) <= 1, outcomes  # never both
+        want = won[0] if won else 0
+
+        async def settled() -> bool:
+            for s in shards:
+                for worker in (a, b):
+                    got = await s.workers.GetWorker(wpb.GetWorkerRequest(worker_id=worker))
+                    if got.worker.updating_to_version != want:
+                        return False
+            return True
+
+        await eventually(settled)  # the winner's version on both workers, or nothing begun
+        if won:
+            for worker in (a, b):
+                await shards[2].workers.CompleteWeightUpdate(
+                    wpb.CompleteWeightUpdateRequest(worker_id=worker)
+                )
+
+
+async def test_a_restarted_shard_takes_the_update_state_from_nats(
+    cluster: Cluster, shards: list[Stubs]
+) -> None:
+    run = run_id()
+    updating, other = f"rs-{run}-up", f"rs-{run}-other"
+    labels = {"run": run}
+    async with pool(shards, {updating: 30, other: 30}, labels):
+        await shards[0].workers.BeginWeightUpdate(
+            wpb.BeginWeightUpdateRequest(version=4, worker_ids=[updating])
+        )
+        await eventually(await on_every_shard(shards, updating, updating_to(4)))
+        victim = cluster.shards[1]
+        victim.kill9()
+        victim.start()
+        # Journaled and in the pool alike: still out of placement after the restart.
+        await eventually(await on_every_shard(shards, updating, updating_to(4)), 30)
+
+        async def beating_again() -> bool:  # restored workers wait for a heartbeat
+            got = await shards[1].workers.GetWorker(wpb.GetWorkerRequest(worker_id=other))
+            return got.worker.health == pb.WORKER_HEALTH_HEALTHY
+
+        await eventually(beating_again, 30)
+        assert await placed_on(shards, {1: owned(f"rs-{run}", 3)[1]}, labels) == {other}
+        # Completed while the shard is down: its journal still says "updating", NATS wins.
+        victim.kill9()
+        done = await shards[0].workers.CompleteWeightUpdate(
+            wpb.CompleteWeightUpdateRequest(worker_id=updating)
+        )
+        assert done.update_finished
+        victim.start()
+        await eventually(await on_every_shard(shards, updating, serving(4)), 30)
 
 
 async def test_with_nats_down_updates_are_unavailable(

@@ -10,8 +10,9 @@ starts wait or be refused on every shard) is in the fleet's trainer-state entry
 **The same checks as one router**, against the pool as this shard sees it, before anything is
 written (``core.weight_updates``): the same codes, reasons and details. Each record write
 checks its worker again against the current record, so two shards beginning conflicting
-updates at once cannot both win; the one that loses puts back the workers it had already
-moved and gets the refusal (UPDATE_IN_PROGRESS), so nothing is left half-begun.
+updates at once cannot both win; a loser puts back the workers it had already moved and gets
+the refusal (UPDATE_IN_PROGRESS), so nothing is left half-begun (when two cross, both can
+lose). Sessions a loser marked interrupted stay marked.
 
 **Order.** Begin writes the workers' records first, then the marker: every shard stops placing
 on a worker as soon as its record arrives. Complete (or a heartbeat at the target, on any
