@@ -1,0 +1,55 @@
+"""Pool record writes are compare-and-set, on in-process shards over a real NATS: a shard
+whose view of a worker lags behind (its watch has not delivered the latest record yet) does
+not overwrite what another shard wrote; its write is recomputed from the current record."""
+
+from __future__ import annotations
+
+from sessionrouter.server.shards.pool import PoolMirror, WorkerEntry, worker_key
+from sessionrouter.v1 import worker_service_pb2 as wpb
+from tests.shards.support import eventually
+from tests.support import Harness
+
+
+def mirror(h: Harness) -> PoolMirror:
+    pool: PoolMirror = h.server.shards.pool
+    return pool
+
+
+async def stored(h: Harness, worker_id: str) -> WorkerEntry:
+    """The worker's record as the bucket holds it now."""
+    got = await mirror(h)._kv().get(worker_key(worker_id))
+    entry = WorkerEntry.decode(got.value)
+    assert entry is not None
+    return entry
+
+
+async def test_a_heartbeat_from_a_lagging_shard_keeps_an_update_begun_elsewhere(
+    shards: list[Harness],
+) -> None:
+    s0, s1 = shards[0], shards[1]
+    await s0.workers.RegisterWorker(
+        wpb.RegisterWorkerRequest(worker_id="lag", address="10.0.0.9:1", capacity=30)
+    )
+
+    async def seen() -> bool:
+        return "lag" in mirror(s1).entries
+
+    await eventually(seen)
+    stale, stale_revision = mirror(s1).entries["lag"], mirror(s1).revisions["lag"]
+    await s0.workers.BeginWeightUpdate(wpb.BeginWeightUpdateRequest(version=2, worker_ids=["lag"]))
+
+    async def applied() -> bool:
+        return mirror(s1).entries["lag"].updating_to == 2
+
+    await eventually(applied)
+    # Shard 1's view as it was before the update: as if its watch lagged behind.
+    mirror(s1).entries["lag"], mirror(s1).revisions["lag"] = stale, stale_revision
+    reply = await s1.workers.Heartbeat(wpb.HeartbeatRequest(worker_id="lag"))
+    assert reply.worker.updating_to_version == 2
+    assert (await stored(s1, "lag")).updating_to == 2  # a blind put would have cleared it
+    assert mirror(s1).entries["lag"].updating_to == 2
+    # A heartbeat at the target ends it, from the lagging view too.
+    mirror(s1).entries["lag"], mirror(s1).revisions["lag"] = stale, stale_revision
+    await s1.workers.Heartbeat(wpb.HeartbeatRequest(worker_id="lag", policy_version=2))
+    ended = await stored(s1, "lag")
+    assert (ended.updating_to, ended.policy_version) == (0, 2)
