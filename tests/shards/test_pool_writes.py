@@ -1,12 +1,14 @@
 """Pool record writes are compare-and-set, on in-process shards over a real NATS: a shard
 whose view of a worker lags behind (its watch has not delivered the latest record yet) does
-not overwrite what another shard wrote; its write is recomputed from the current record."""
+not overwrite what another shard wrote; its write is recomputed from the current record. And
+a weight update that interrupts sessions marks them on every shard."""
 
 from __future__ import annotations
 
 from sessionrouter.server.shards.pool import PoolMirror, WorkerEntry, worker_key
+from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import worker_service_pb2 as wpb
-from tests.shards.support import eventually
+from tests.shards.support import eventually, owned_group
 from tests.support import Harness
 
 
@@ -53,3 +55,38 @@ async def test_a_heartbeat_from_a_lagging_shard_keeps_an_update_begun_elsewhere(
     await s1.workers.Heartbeat(wpb.HeartbeatRequest(worker_id="lag", policy_version=2))
     ended = await stored(s1, "lag")
     assert (ended.updating_to, ended.policy_version) == (0, 2)
+
+
+async def test_interrupting_sessions_reaches_every_shard(shards: list[Harness]) -> None:
+    await shards[0].workers.RegisterWorker(
+        wpb.RegisterWorkerRequest(worker_id="busy", address="10.0.0.8:1", capacity=30)
+    )
+
+    async def seen() -> bool:
+        return all("busy" in mirror(h).entries for h in shards)
+
+    await eventually(seen)
+    names = []
+    for i, h in enumerate(shards):  # one open session on the worker on each shard
+        request = spb.StartGroupRequest(task_id="t", group_id=owned_group(i, 3, "busy"))
+        request.group_size = 1
+        started = await h.sessions.StartGroup(request)
+        names.append((h, started.group.members[0].name))
+
+    async def published() -> bool:  # each shard's load, as the others see it
+        return all(mirror(h).cluster_open("busy") == 3 for h in shards)
+
+    await eventually(published)
+    begun = await shards[0].workers.BeginWeightUpdate(
+        wpb.BeginWeightUpdateRequest(version=2, worker_ids=["busy"], interrupt_sessions=True)
+    )
+    assert begun.interrupted_sessions == 3  # its own, and the others' open ones
+
+    async def marked() -> bool:
+        for h, name in names:
+            got = await h.sessions.GetSession(spb.GetSessionRequest(session=name))
+            if not got.session.interrupted:
+                return False
+        return True
+
+    await eventually(marked)

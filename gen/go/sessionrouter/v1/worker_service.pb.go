@@ -719,9 +719,9 @@ type BeginWeightUpdateResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The selected workers, now updating.
 	Workers []*Worker `protobuf:"bytes,1,rep,name=workers,proto3" json:"workers,omitempty"`
-	// Open sessions marked interrupted. Sharded routers: those the answering shard marked,
-	// plus the other shards' open sessions on the selected workers as they last published
-	// them (about 1 s old; each shard marks its own).
+	// Open sessions marked interrupted. Sharded routers: the open sessions on the selected
+	// workers summed over shards, the answering shard's live and the others' as they last
+	// published them (about 1 s old); each shard marks its own.
 	InterruptedSessions uint32 `protobuf:"varint,2,opt,name=interrupted_sessions,json=interruptedSessions,proto3" json:"interrupted_sessions,omitempty"`
 	unknownFields       protoimpl.UnknownFields
 	sizeCache           protoimpl.SizeCache

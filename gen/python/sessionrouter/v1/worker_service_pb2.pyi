@@ -370,9 +370,9 @@ class BeginWeightUpdateResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _builtins.int
     INTERRUPTED_SESSIONS_FIELD_NUMBER: _builtins.int
     interrupted_sessions: _builtins.int
-    """Open sessions marked interrupted. Sharded routers: those the answering shard marked,
-    plus the other shards' open sessions on the selected workers as they last published
-    them (about 1 s old; each shard marks its own).
+    """Open sessions marked interrupted. Sharded routers: the open sessions on the selected
+    workers summed over shards, the answering shard's live and the others' as they last
+    published them (about 1 s old); each shard marks its own.
     """
     @_builtins.property
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.Worker]:

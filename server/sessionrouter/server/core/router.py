@@ -454,24 +454,22 @@ class SessionRouter:
 
     def follow_worker_update(
         self, worker_id: str, updating_to: int, version: int, interrupt: bool
-    ) -> int:
+    ) -> None:
         """Takes a worker's update state as decided elsewhere (a shard applying the shared
         pool's record, checked where it was written): begins an update to ``updating_to``
         (marking its open sessions interrupted when ``interrupt``), or with 0 ends it at
-        ``version``. Returns how many sessions were marked interrupted."""
+        ``version``."""
         worker = self.workers.get(worker_id)
-        interrupted = 0
         if updating_to and worker.updating_to != updating_to:
             self.workers.begin_update(worker, updating_to)
             if interrupt:
-                interrupted = self._interrupt_sessions(worker)
+                self._interrupt_sessions(worker)
         elif not updating_to and worker.updating_to:
             self.workers.complete_update(worker, max(version, worker.policy_version))
         else:
-            return 0
+            return
         self._journal_worker(worker)
         self._update_progressed()
-        return interrupted
 
     def _interrupt_sessions(self, worker: WorkerRecord) -> int:
         count = 0

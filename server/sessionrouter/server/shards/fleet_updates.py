@@ -24,9 +24,10 @@ marker within ``SETTLE_S``, and a shard ends an update it did not complete itsel
 ``SETTLE_GRACE_S`` after it began, so a marker that came first is not taken for an update
 already over.
 
-**Counts.** ``interrupted_sessions`` is what this shard marked, plus the other shards' open
-sessions on the selected workers as they last published them (each shard marks its own when
-it sees the update begin): exact on one shard, at most ``LOAD_PUBLISH_S`` old for the others.
+**Counts.** ``interrupted_sessions`` is the selected workers' open sessions when the call
+came, summed over shards (``PoolMirror.cluster_open``: this shard's live, the others' as they
+last published them, at most ``LOAD_PUBLISH_S`` old); each shard marks its own when it sees
+the update begin.
 
 **NATS down.** Both calls are UNAVAILABLE ``NATS_UNAVAILABLE`` after the checks (bad input
 still gets its own refusal): an update that reached one shard only is what this module
@@ -83,12 +84,12 @@ class FleetUpdates:
         chosen = select_for_update(self.pool, version, worker_ids)
         if not self.pool.link.connected:
             raise nats_unavailable("a weight update")
+        interrupted = sum(self.pool.cluster_open(w.worker_id) for w in chosen) if interrupt else 0
         moved: list[str] = []
         entries: list[WorkerEntry] = []
-        interrupted = 0
         try:
             for worker in chosen:
-                entry, marked = await self.pool.write(
+                entry = await self.pool.write(
                     worker.worker_id,
                     _begun(worker.worker_id, version, interrupt),
                     "a weight update",
@@ -96,12 +97,9 @@ class FleetUpdates:
                 if worker.updating_to != version:
                     moved.append(worker.worker_id)
                 entries.append(entry)
-                interrupted += marked
         except RouterError:
             await self._put_back(moved, version)
             raise
-        if interrupt:
-            interrupted += sum(self.pool.others_open(e.worker_id) for e in entries)
         if entries:
             await self.fleet.mark_update(WeightUpdate(version, fleet_wide=not worker_ids))
         return entries, interrupted
@@ -129,7 +127,7 @@ class FleetUpdates:
             target = check_completion(current, version)
             return replace(current, policy_version=target, updating_to=0, interrupt=False)
 
-        entry, _ = await self.pool.write(worker_id, completed, "a weight update")
+        entry = await self.pool.write(worker_id, completed, "a weight update")
         await self.settle(completed_here=True)
         return entry, not self.updating()
 

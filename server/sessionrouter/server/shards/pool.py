@@ -71,6 +71,8 @@ LOAD_PUBLISH_S = 1.0
 """How often a shard publishes its per-worker open sessions (and its admission counters)."""
 CAS_TRIES = 50
 """Compare-and-set attempts of one record write before it gives up (contention)."""
+LOAD_TIMEOUT_S = 10.0
+"""How long a starting shard waits for the pool's records before it serves."""
 
 
 def share(worker_id: str, capacity: int, shard: ShardIdentity) -> int:
@@ -255,8 +257,7 @@ class PoolMirror:
                 )
             return _beat(known, policy_version, capacity=capacity, labels=checked)
 
-        entry, _ = await self.write(worker_id, change, "a registration")
-        return entry
+        return await self.write(worker_id, change, "a registration")
 
     async def heartbeat(self, worker_id: str, policy_version: int = 0) -> WorkerEntry:
         check_version("policy_version", policy_version)
@@ -268,8 +269,7 @@ class PoolMirror:
 
         if self.link.connected:
             try:
-                entry, _ = await self.write(worker_id, change, "a heartbeat")
-                return entry
+                return await self.write(worker_id, change, "a heartbeat")
             except Unavailable:
                 pass
         # NATS is down: the worker stays alive here; the other shards keep their last view.
@@ -284,8 +284,7 @@ class PoolMirror:
             current = self.known(worker_id, known)
             return replace(current, draining=not resume, heartbeat=time.time())
 
-        entry, _ = await self.write(worker_id, change, "a drain")
-        return entry
+        return await self.write(worker_id, change, "a drain")
 
     async def deregister(self, worker_id: str) -> tuple[WorkerEntry, int, WorkerRecord | None]:
         """Removes the worker from the pool; returns it, the open sessions this shard lost
@@ -313,18 +312,17 @@ class PoolMirror:
         self.revisions.pop(worker_id, None)
         return entry, lost, local
 
-    async def write(self, worker_id: str, change: Change, what: str) -> tuple[WorkerEntry, int]:
+    async def write(self, worker_id: str, change: Change, what: str) -> WorkerEntry:
         """Writes ``change`` of the worker's record by compare-and-set (module docstring),
-        applies it here, and returns the record with the sessions this shard marked
-        interrupted applying it. A RouterError from ``change`` refuses the call; NATS
-        unreachable is UNAVAILABLE NATS_UNAVAILABLE."""
+        applies it here, and returns the record. A RouterError from ``change`` refuses the
+        call; NATS unreachable is UNAVAILABLE NATS_UNAVAILABLE."""
         from nats.js.errors import KeyWrongLastSequenceError
 
         for _ in range(CAS_TRIES):
             known = self.entries.get(worker_id)
             entry = change(known)
             if entry is None:
-                return self.known(worker_id, known), 0
+                return self.known(worker_id, known)
             if not self.link.connected:
                 raise nats_unavailable(what)
             revision = self.revisions.get(worker_id, 0) if known is not None else 0
@@ -339,7 +337,8 @@ class PoolMirror:
                 continue
             except Exception:
                 raise nats_unavailable(what) from None
-            return entry, self.take(entry, int(written))
+            self.take(entry, int(written))
+            return entry
         raise nats_unavailable(f"{what} (too much contention)")
 
     async def _refresh(self, worker_id: str) -> None:
@@ -367,18 +366,16 @@ class PoolMirror:
 
     # -- mirroring -----------------------------------------------------------------------
 
-    def take(self, entry: WorkerEntry, revision: int) -> int:
+    def take(self, entry: WorkerEntry, revision: int) -> None:
         """Applies a record read or written at ``revision`` unless a later one was applied
-        already (a watch may deliver an older revision after a write's reply); returns the
-        sessions marked interrupted."""
+        already (a watch may deliver an older revision after a write's reply)."""
         if revision <= self.revisions.get(entry.worker_id, 0):
-            return 0
+            return
         self.revisions[entry.worker_id] = revision
-        return self.apply(entry)
+        self.apply(entry)
 
-    def apply(self, entry: WorkerEntry) -> int:
-        """Brings this shard's worker table in step with one record (idempotent); returns
-        the sessions marked interrupted by an update it begins here."""
+    def apply(self, entry: WorkerEntry) -> None:
+        """Brings this shard's worker table in step with one record (idempotent)."""
         self.entries[entry.worker_id] = entry
         router = self.router
         slots = share(entry.worker_id, entry.capacity, self.shard)
@@ -387,7 +384,7 @@ class PoolMirror:
             router.deregister_worker(entry.worker_id)
             local = None
         if slots == 0:
-            return 0
+            return
         if local is None or local.capacity != slots or local.labels != entry.labels:
             local = router.register_worker(
                 entry.worker_id, entry.address, slots, entry.labels, entry.policy_version
@@ -396,11 +393,10 @@ class PoolMirror:
             router.heartbeat(entry.worker_id, entry.policy_version)
         if local.draining != entry.draining:
             router.drain_worker(entry.worker_id, resume=not entry.draining)
-        if local.updating_to == entry.updating_to:
-            return 0
-        return router.follow_worker_update(
-            entry.worker_id, entry.updating_to, entry.policy_version, entry.interrupt
-        )
+        if local.updating_to != entry.updating_to:
+            router.follow_worker_update(
+                entry.worker_id, entry.updating_to, entry.policy_version, entry.interrupt
+            )
 
     def remove(self, worker_id: str) -> None:
         self.entries.pop(worker_id, None)
@@ -409,8 +405,22 @@ class PoolMirror:
             self.router.deregister_worker(worker_id)
 
     async def open(self) -> None:
-        """Opens the buckets (the link's ``ensure_jetstream`` made them)."""
-        self._workers_kv = await self.link.js.key_value(WORKERS_BUCKET)
+        """Opens the pool bucket (the link's ``ensure_jetstream`` made it) and takes every
+        record it holds before the shard serves, so a restarted shard answers for the whole
+        pool, and keeps off the workers in a weight update, from its first call (at most
+        ``LOAD_TIMEOUT_S``; the watch catches up after that)."""
+        kv = self._workers_kv = await self.link.js.key_value(WORKERS_BUCKET)
+        watcher = await kv.watchall()
+        try:
+            async with asyncio.timeout(LOAD_TIMEOUT_S):
+                async for update in watcher:
+                    if update is None:  # the end of the current values
+                        break
+                    self._on_update(update)
+        except TimeoutError:
+            log.warning("pool not loaded before serving; the watch catches up")
+        finally:
+            await stop_watch(watcher)
 
     async def watch_workers(self) -> None:
         """Mirrors the pool bucket until cancelled (run under ``retry_forever``)."""
@@ -421,18 +431,21 @@ class PoolMirror:
         watcher = await kv.watchall()
         try:
             async for update in watcher:
-                if update is None:  # the end of the current values
-                    continue
-                if update.operation in ("DEL", "PURGE"):
-                    known = [w for w in self.entries if worker_key(w) == update.key]
-                    for worker_id in known:
-                        self.remove(worker_id)
-                    continue
-                entry = WorkerEntry.decode(update.value or b"")
-                if entry is not None:
-                    self.take(entry, int(update.revision))
+                if update is not None:  # None: the end of the current values
+                    self._on_update(update)
         finally:
             await stop_watch(watcher)
+
+    def _on_update(self, update: Any) -> None:
+        """Applies one update of the pool bucket's watch."""
+        if update.operation in ("DEL", "PURGE"):
+            known = [w for w in self.entries if worker_key(w) == update.key]
+            for worker_id in known:
+                self.remove(worker_id)
+            return
+        entry = WorkerEntry.decode(update.value or b"")
+        if entry is not None:
+            self.take(entry, int(update.revision))
 
     async def watch_loads(self) -> None:
         """Follows what every shard publishes of its load, until cancelled."""
