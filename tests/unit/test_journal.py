@@ -32,6 +32,7 @@ from sessionrouter.server.journal import (
     SqliteJournal,
     SyncMode,
 )
+from sessionrouter.server.journal import writer as writer_module
 from sessionrouter.server.journal.integrity import COMMITTED_FILE
 from tests.support import TablesOpener
 
@@ -431,6 +432,89 @@ async def test_a_failed_fsync_fails_every_waiter_and_stops_the_journal(tmp_path:
         assert info.value.reason == "JOURNAL_FAILED" and "Input/output error" in info.value.message
     assert journal.failed and len(failures) == 1 and journal.batches == 0
     await journal.close()
+
+
+class _CountedCheckpoints(JournalTables):
+    """Tables that record the thread of each checkpoint, and fail the first ``failing``."""
+
+    def __init__(self, state_dir: Path, sync: SyncMode) -> None:
+        super().__init__(state_dir, sync)
+        self.checkpoint_threads: list[str] = []
+        self.failing = 0
+
+    def checkpoint_log(self) -> int:
+        self.checkpoint_threads.append(threading.current_thread().name)
+        if self.failing:
+            self.failing -= 1
+            raise sqlite3.OperationalError("disk I/O error")
+        return super().checkpoint_log()
+
+
+async def _small_batches(journal: SqliteJournal, batches: int) -> None:
+    for i in range(batches):
+        journal.append(WorkerSaved(f"w{i}", "a:1", 1, {}, False, 0.0))
+        await journal.commit()
+
+
+CHECKPOINT_EVERY = 64
+"""WAL pages between checkpoints in these tests (the default is 1000: slower to reach)."""
+
+
+async def test_the_wal_is_checkpointed_on_the_fsync_thread_and_stays_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writer_module, "CHECKPOINT_PAGES", CHECKPOINT_EVERY)
+    opened: list[_CountedCheckpoints] = []
+
+    def open_tables(state_dir: Path, sync: SyncMode) -> JournalTables:
+        opened.append(_CountedCheckpoints(state_dir, sync))
+        return opened[-1]
+
+    journal = SqliteJournal(tmp_path, open_tables=open_tables, fold_events=1_000_000)
+    journal.start()
+    tables = opened[-1]
+    # SQLite's own checkpoint would run inside the loop's INSERT: it is off.
+    assert tables._con.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+    batches = 10 * CHECKPOINT_EVERY  # one WAL page each, about
+    await _small_batches(journal, batches)
+    assert len(tables.checkpoint_threads) >= 8
+    assert set(tables.checkpoint_threads) == {"journal-fsync"}
+    wal = (tmp_path / f"{JOURNAL_FILE}-wal").stat().st_size
+    frame = tables.page_size + 24
+    # Started over after each checkpoint: never much more than one interval of frames,
+    # where without the checkpoints it would hold every batch's (10x as many).
+    assert wal <= 2 * CHECKPOINT_EVERY * frame + 32, wal
+    await journal.close()
+    reopened = SqliteJournal(tmp_path)
+    assert len(reopened.load().workers) == batches
+    reopened.close_now()
+
+
+async def test_a_failed_checkpoint_is_logged_once_and_fails_no_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(writer_module, "CHECKPOINT_PAGES", CHECKPOINT_EVERY)
+    opened: list[_CountedCheckpoints] = []
+
+    def open_tables(state_dir: Path, sync: SyncMode) -> JournalTables:
+        opened.append(_CountedCheckpoints(state_dir, sync))
+        opened[-1].failing = 3
+        return opened[-1]
+
+    journal = SqliteJournal(tmp_path, open_tables=open_tables, fold_events=1_000_000)
+    journal.start()
+    batches = 6 * CHECKPOINT_EVERY
+    with caplog.at_level("INFO", logger="sessionrouter.journal"):
+        await _small_batches(journal, batches)
+    events = [getattr(r, "event", "") for r in caplog.records]
+    assert events.count("journal_checkpoint_failed") == 1
+    assert events.count("journal_checkpoint_recovered") == 1
+    assert not journal.failed and journal.batches == batches
+    assert len(opened[-1].checkpoint_threads) >= 4  # three failed, then it went on
+    await journal.close()
+    reopened = SqliteJournal(tmp_path)
+    assert len(reopened.load().workers) == batches
+    reopened.close_now()
 
 
 def test_a_second_router_on_the_same_directory_is_refused(tmp_path: Path) -> None:

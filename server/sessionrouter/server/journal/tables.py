@@ -3,7 +3,8 @@ fold's row changes, append and read ``log`` rows, compact.
 
 Everything here is synchronous and runs on one thread at a time: the event loop while the
 router serves, the caller's before (start-up) and in tools; only ``sync_log`` (one fdatasync
-of the WAL) runs on the journal's fsync thread meanwhile. ``JournalTables`` is also the seam
+of the WAL) and ``checkpoint_log`` (a checkpoint from a connection of its own) run on the
+journal's fsync thread meanwhile. ``JournalTables`` is also the seam
 for fault injection: a test passes a subclass whose writes fail or whose durability step it
 holds (``durable``).
 
@@ -72,6 +73,9 @@ from sessionrouter.server.journal.schema import (
 
 log = logging.getLogger("sessionrouter.journal")
 
+CHECKPOINT_PAGES = 1000
+"""WAL pages written after which the fsync thread checkpoints (SQLite's own automatic
+checkpoint threshold, about 4 MiB): it bounds the WAL while the loop writes."""
 WAL_SIZE_LIMIT = 16 * 1024 * 1024
 """Bytes the WAL is cut back to after a checkpoint, so one huge batch (a first compaction,
 say) does not leave a huge WAL file behind for good."""
@@ -102,6 +106,7 @@ class JournalTables:
         self._closed = False
         self._lock_fd = -1
         self._wal_fd = -1
+        self._checkpointer: sqlite3.Connection | None = None
         self._lock_fd = self._lock()
         self.files = StateFiles(self.state_dir)
         """IDENTITY and COMMITTED, the journal's memory outside the database."""
@@ -115,6 +120,8 @@ class JournalTables:
             self._unlock()
             raise
         self._bulk = bulk_statements(self._con)
+        self.page_size = int(self._con.execute("PRAGMA page_size").fetchone()[0])
+        """Bytes of one database page, so of one WAL frame's payload."""
         meta = self._meta()
         self.last_cursor = int(meta["last_cursor"])
         self.next_seq = int(meta["next_seq"])
@@ -349,6 +356,9 @@ class JournalTables:
         if self._closed:
             return
         self._closed = True
+        if self._checkpointer is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._checkpointer.close()
         with contextlib.suppress(sqlite3.Error):
             self._con.close()
         if self._wal_fd >= 0:
@@ -520,16 +530,36 @@ class JournalTables:
             raise
         return cursor.lastrowid or 0
 
-    def sync_separately(self) -> None:
+    def sync_separately(self, checkpoint_separately: bool = False) -> None:
         """From now on commits only reach the WAL (``synchronous=NORMAL``) and the caller
         makes them durable with ``sync_log``: the INSERT of a batch then costs the event
         loop tens of microseconds and the fsync runs on another thread. Before this (opening,
-        tools) every commit is fsync'd as ``sync`` says."""
+        tools) every commit is fsync'd as ``sync`` says.
+
+        ``checkpoint_separately``: SQLite's automatic checkpoint is turned off as well (it
+        would run inside the loop's INSERT about every ``CHECKPOINT_PAGES`` pages, copying
+        the WAL and fsyncing the database on the loop) and the caller checkpoints with
+        ``checkpoint_log`` instead, from a second connection."""
         wal = Path(f"{self.path}-wal")
         try:
             self._wal_fd = os.open(wal, os.O_RDONLY)
         except OSError as exc:
             raise JournalError(self.path, f"its WAL cannot be opened ({exc.strerror})") from None
+        if checkpoint_separately:
+            try:
+                checkpointer = sqlite3.connect(
+                    self.path, isolation_level=None, check_same_thread=False
+                )
+                # Only checkpoints: FULL syncs the WAL before the copy and the database
+                # after it, as the automatic checkpoint of a FULL journal does.
+                checkpointer.execute("PRAGMA synchronous=FULL")
+                checkpointer.execute("PRAGMA wal_autocheckpoint=0")
+            except sqlite3.Error as exc:
+                raise JournalError(
+                    self.path, f"cannot open a connection to checkpoint it ({exc})"
+                ) from None
+            self._checkpointer = checkpointer
+            self._con.execute("PRAGMA wal_autocheckpoint=0")
         self._con.execute("PRAGMA synchronous=NORMAL")
 
     def sync_log(self) -> None:
@@ -537,6 +567,17 @@ class JournalTables:
         returns (a checkpoint syncs the WAL before it copies it, so nothing older is at risk).
         Releases the GIL; safe on another thread while the loop writes."""
         os.fdatasync(self._wal_fd)
+
+    def checkpoint_log(self) -> int:
+        """A PASSIVE checkpoint from the second connection (``sync_separately``): copies the
+        WAL's frames into the database file and syncs it; returns the frames copied. Runs on
+        the fsync thread while no write is in flight (between a batch's fsync and its
+        answer), so it copies the whole WAL and the loop's next write starts the WAL from
+        its beginning: the WAL stays bounded. A failure leaves the WAL as it was (every
+        commit in it stays durable); the next checkpoint tries again. Releases the GIL."""
+        assert self._checkpointer is not None, "sync_separately(checkpoint_separately=True)"
+        row = self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        return int(row[2])
 
     def durable(self, sync: Callable[[], Awaitable[None]]) -> Awaitable[None]:
         """The durability step of one batch: ``sync()`` resolves once the WAL is fsync'd.

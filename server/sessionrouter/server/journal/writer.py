@@ -10,7 +10,10 @@ A batch is written by the loop itself: ONE autocommit ``INSERT`` of the encoded 
 ``log`` with ``synchronous=NORMAL``, which only reaches the WAL in the page cache (tens of
 microseconds). With ``sync=full`` the batch's waiters are answered once the fsync thread's
 ``fdatasync`` of the WAL returns (``FsyncThread``); with ``normal`` at the next turn of the
-loop. Every ``FOLD_EVENTS`` events (or when idle) the loop folds the log into the tables
+loop. About every ``CHECKPOINT_PAGES`` WAL pages (and after each fold) the fsync thread
+also checkpoints the WAL from its own connection, after the fsync and before the answer, when
+the loop has nothing in flight: SQLite's automatic checkpoint is off, since it would run on
+the loop inside an INSERT. Every ``FOLD_EVENTS`` events (or when idle) the loop folds the log into the tables
 between two batches, in one transaction that also deletes the folded rows (see the package
 docstring for why; about 20 ms every 16k events, which the next batch waits for). Opening a
 journal folds what a crash left in ``log`` before anything else.
@@ -40,7 +43,7 @@ from sessionrouter.server.journal.errors import JournalError
 from sessionrouter.server.journal.fold import Rewards, fold
 from sessionrouter.server.journal.fsync_thread import FsyncThread
 from sessionrouter.server.journal.logrows import Batch, Finalized, LoggedEvent
-from sessionrouter.server.journal.tables import JournalTables, SyncMode
+from sessionrouter.server.journal.tables import CHECKPOINT_PAGES, JournalTables, SyncMode
 
 log = logging.getLogger("sessionrouter.journal")
 
@@ -157,6 +160,10 @@ class SqliteJournal:
         """Loop time of the last durable batch (idle fold)."""
         self._fold_not_before = 0.0
         """Loop time before which a fold that failed for lack of space is not tried again."""
+        self._wal_pages = 0
+        """WAL pages written since the last checkpoint the fsync thread was asked for (an
+        estimate: a batch's INSERT writes about one page more than its row fills, a fold makes
+        the next checkpoint due at once)."""
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -191,12 +198,15 @@ class SqliteJournal:
         """Binds the journal to the running loop and starts the fsync thread (``full``)."""
         if self._loop is not None:
             raise RuntimeError("journal already started")
-        self._tables.sync_separately()
+        full = self.sync is SyncMode.FULL
+        # With ``full`` the fsync thread also checkpoints; ``normal`` keeps SQLite's own.
+        self._tables.sync_separately(checkpoint_separately=full)
         self._loop = asyncio.get_running_loop()
         self._done = self._loop.create_future()
         self._done.set_result(None)
-        if self.sync is SyncMode.FULL:
-            self._fsync = FsyncThread(self._tables.sync_log, self._loop)
+        if full:
+            tables = self._tables
+            self._fsync = FsyncThread(tables.sync_log, self._loop, tables.checkpoint_log)
 
     def append(self, event: Event) -> None:
         if type(event) is RewardSaved:
@@ -277,6 +287,7 @@ class SqliteJournal:
             return
         self._space_back()
         self._unfolded.extend(events)
+        self._wal_pages += 1 + len(row) // self._tables.page_size
         durable = self._tables.durable(self._sync)
         step = durable if isinstance(durable, asyncio.Future) else asyncio.ensure_future(durable)
         step.add_done_callback(
@@ -285,7 +296,10 @@ class SqliteJournal:
 
     def _sync(self) -> asyncio.Future[None]:
         if self._fsync is not None:
-            return self._fsync.request()
+            checkpoint = self._wal_pages >= CHECKPOINT_PAGES
+            if checkpoint:
+                self._wal_pages = 0
+            return self._fsync.request(checkpoint)
         assert self._done is not None
         return self._done  # ``normal``: in the page cache is as far as it goes
 
@@ -469,6 +483,7 @@ class SqliteJournal:
             except BaseException:
                 self._unfolded = folded  # rolled back: still in the log, folded later
                 raise
+            self._wal_pages += CHECKPOINT_PAGES  # hundreds of pages: checkpoint next batch
         self._compact_if_due()
 
     def log_pending(self) -> None:
