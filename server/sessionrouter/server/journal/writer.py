@@ -13,10 +13,10 @@ microseconds). With ``sync=full`` the batch's waiters are answered once the fsyn
 loop. About every ``CHECKPOINT_PAGES`` WAL pages (and after each fold) the fsync thread
 also checkpoints the WAL from its own connection, after the fsync and before the answer, when
 the loop has nothing in flight: SQLite's automatic checkpoint is off, since it would run on
-the loop inside an INSERT. Every ``FOLD_EVENTS`` events (or when idle) the loop folds the log into the tables
-between two batches, in one transaction that also deletes the folded rows (see the package
-docstring for why; about 20 ms every 16k events, which the next batch waits for). Opening a
-journal folds what a crash left in ``log`` before anything else.
+the loop inside an INSERT. Every ``FOLD_EVENTS`` events (or when idle) the loop folds the log
+into the tables between two batches, in one transaction that also deletes the folded rows
+(see the package docstring for why; about 20 ms every 16k events, which the next batch waits
+for). Opening a journal folds what a crash left in ``log`` before anything else.
 
 Why not a writer thread that runs the INSERT: batches under StartSession load are small (1
 to 5 calls), so the hand-over to a thread that needs the GIL back to wake up, to return from
