@@ -4,6 +4,8 @@ are given; raising is the whole effect."""
 
 from __future__ import annotations
 
+import functools
+
 from sessionrouter.server.core.commands import OptionsSpec, StartGroupCommand, StartSessionCommand
 from sessionrouter.server.core.errors import FailedPrecondition, InvalidArgument
 from sessionrouter.server.core.estimators import EstimatorParams, validate_params
@@ -31,14 +33,28 @@ def check_start(
     request_id = check_optional_id("request_id", cmd.request_id)
     if cmd.group_id is not None:
         check_id("group_id", cmd.group_id)
-    metadata = check_string_map("metadata", cmd.metadata, METADATA_VALUE_MAX_LEN)
+    metadata = (
+        check_string_map("metadata", cmd.metadata, METADATA_VALUE_MAX_LEN) if cmd.metadata else {}
+    )
     check_range("group_size", cmd.group_size, min_group_size, MAX_GROUP_SIZE)
     # Before anything is placed: a group whose reply a default client could not receive is
     # refused, not created and then undeliverable. With replace_lost every member may be
     # replaced once, so the group can come to hold twice its size.
     size = max(1, cmd.group_size)
-    check_reply_fits(size, task_id, metadata, replacements=size if cmd.options.replace_lost else 0)
+    replacements = size if cmd.options.replace_lost else 0
+    if metadata:
+        check_reply_fits(size, task_id, metadata, replacements)
+    else:  # the usual start: the same few (size, task id length) pairs again and again
+        _check_plain_reply_fits(size, len(task_id), replacements)
     return task_id, request_id, metadata
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_plain_reply_fits(size: int, task_id_len: int, replacements: int) -> None:
+    """``check_reply_fits`` for a start without metadata, remembered for the sizes that
+    fit (a refusal raises and is not remembered). The estimate reads only the length of
+    the task id."""
+    check_reply_fits(size, "t" * task_id_len, {}, replacements)
 
 
 def check_joinable(
