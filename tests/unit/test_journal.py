@@ -434,6 +434,29 @@ async def test_a_failed_fsync_fails_every_waiter_and_stops_the_journal(tmp_path:
     await journal.close()
 
 
+async def test_a_caller_cancelled_while_waiting_leaves_the_batch_to_the_others(
+    tmp_path: Path,
+) -> None:
+    journal, opener, failures = _controlled_journal(tmp_path)
+    journal.start()
+    opener.opened.gate.clear()  # the batch waits before its fsync
+    journal.append(WorkerSaved("w", "a:1", 1, {}, False, 0.0))
+    leaving = asyncio.ensure_future(journal.commit())
+    staying = asyncio.ensure_future(journal.commit())
+    await asyncio.sleep(0.05)
+    leaving.cancel()
+    await asyncio.sleep(0)
+    assert leaving.cancelled() and not staying.done()
+    opener.opened.gate.set()
+    await asyncio.wait_for(staying, 5)
+    assert journal.batches == 1 and not journal.failed and not failures
+    await journal.commit()  # nothing pending: answered at once
+    await journal.close()
+    reopened = SqliteJournal(tmp_path)
+    assert [w.worker_id for w in reopened.load().workers] == ["w"]
+    reopened.close_now()
+
+
 class _CountedCheckpoints(JournalTables):
     """Tables that record the thread of each checkpoint, and fail the first ``failing``."""
 

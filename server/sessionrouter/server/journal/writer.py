@@ -76,7 +76,10 @@ whose writes fail."""
 
 class _Durable:
     """Awaitable for one journal batch. Shielded: a caller that is cancelled while waiting
-    (its client went away) must not cancel the batch every other caller waits for."""
+    (its client went away) must not cancel the batch every other caller waits for. Each
+    caller awaits a future of its own that the batch resolves (what ``asyncio.shield``
+    does, with one callback and one loop turn less per caller: every StartSession and
+    reward request awaits one)."""
 
     __slots__ = ("_batch",)
 
@@ -84,7 +87,24 @@ class _Durable:
         self._batch = batch
 
     def __await__(self) -> Generator[Any, None, None]:
-        return asyncio.shield(self._batch).__await__()
+        batch = self._batch
+        if batch.done():
+            return batch.result()
+        waiter = batch.get_loop().create_future()
+        batch.add_done_callback(functools.partial(_relay, waiter))
+        return (yield from waiter)
+
+
+def _relay(waiter: asyncio.Future[None], batch: asyncio.Future[None]) -> None:
+    """Passes a batch's outcome to one caller's future, unless that caller left."""
+    if waiter.done():
+        return
+    if batch.cancelled():
+        waiter.cancel()
+    elif (error := batch.exception()) is not None:
+        waiter.set_exception(error)
+    else:
+        waiter.set_result(None)
 
 
 class SqliteJournal:
