@@ -89,10 +89,12 @@ class _Durable:
     def __await__(self) -> Generator[Any, None, None]:
         batch = self._batch
         if batch.done():
-            return batch.result()
-        waiter = batch.get_loop().create_future()
+            batch.result()  # raises what failed it
+            return None
+        waiter: asyncio.Future[None] = batch.get_loop().create_future()
         batch.add_done_callback(functools.partial(_relay, waiter))
-        return (yield from waiter)
+        yield from waiter
+        return None
 
 
 def _relay(waiter: asyncio.Future[None], batch: asyncio.Future[None]) -> None:
