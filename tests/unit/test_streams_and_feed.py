@@ -132,7 +132,7 @@ async def test_a_request_over_the_entry_limit_ends_the_flow_after_earlier_acks()
 async def test_a_result_ready_before_its_ack_waits_for_the_ack() -> None:
     stream = RewardFlow(no_submit, no_commit)
     first = stream.begin_request()
-    stream.expect_group()
+    stream.expect_groups(1)
     stream.deliver(first, result(1))  # reduced before the journal acknowledged the request
     assert stream.backlog == 1
     stream.ack(first, RewardAck(7, [ACCEPTED]))
@@ -145,7 +145,7 @@ async def test_a_result_ready_before_its_ack_waits_for_the_ack() -> None:
 async def test_stream_ends_only_after_owed_results_arrive() -> None:
     stream = RewardFlow(no_submit, no_commit)
     number = stream.begin_request()
-    stream.expect_group()
+    stream.expect_groups(1)
     stream.ack(number, RewardAck(1, [ACCEPTED]))
     stream.end_input()
     reader = asyncio.create_task(drain(stream))
@@ -309,7 +309,7 @@ async def test_in_memory_acks_go_out_from_the_reader_in_order_with_results_after
     def submit(entries: Entries, origin: StreamOrigin) -> list[RewardOutcome]:
         # Each earlier request's ack and result are queued already: no task ran between.
         assert flow.backlog == 2 * origin.request
-        origin.flow.expect_group()
+        origin.flow.expect_groups(1)
         origin.flow.deliver(origin.request, result(origin.request + 1))  # before its ack
         return [ACCEPTED] * len(entries)
 

@@ -33,7 +33,7 @@ import dataclasses
 import logging
 from array import array
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -70,8 +70,9 @@ log = logging.getLogger("sessionrouter.finalizer")
 
 _EMPTY = np.zeros(0, dtype=np.float64)
 _EMPTY.flags.writeable = False
+_NO_VERSIONS = np.zeros(0, dtype=np.uint64)
+_NO_VERSIONS.flags.writeable = False
 _DROPPED = DROPPED_CODE
-_GROUP = attrgetter("group")
 _GROUP_ID = attrgetter("group_id")
 _TASK_ID = attrgetter("task_id")
 
@@ -119,10 +120,29 @@ class FinishedGroup:
 
 @dataclass(slots=True, eq=False)
 class _Memo:
-    """What a batch computes on first use and keeps (its columns)."""
+    """What a batch computes on first use and keeps (its columns, its per-group records)."""
 
     columns: ResultColumns | None = None
     group_bytes: NDArray[np.int64] | None = None
+    finished: tuple[FinishedGroup, ...] | None = None
+
+
+def finished_groups(
+    groups: Sequence[GroupRecord],
+    special: Mapping[int, FinishedGroup],
+    finalize_times: NDArray[np.float64],
+    trainer_versions: NDArray[np.uint64],
+) -> tuple[FinishedGroup, ...]:
+    """One ``FinishedGroup`` per group: the one it was queued with (``special``), or, for a
+    group queued complete by ``GroupFinalizer.submit_complete``, one made now from its record
+    (every member counted, in index order; none excluded)."""
+    times, versions = finalize_times.tolist(), trainer_versions.tolist()
+    complete = GroupOutcome.COMPLETE
+    return tuple(
+        special.get(g)
+        or FinishedGroup(group, complete, tuple(group.members), (), times[g], None, versions[g])
+        for g, group in enumerate(groups)
+    )
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -130,7 +150,13 @@ class FinalizedBatch:
     """One micro-batch of finished groups as arrays: G groups in cursor order, N counted
     rewards in all. Every array is read-only.
 
-    - ``finished``: the G ``FinishedGroup`` records (ids, names, origins), in cursor order.
+    - ``groups``: the G group records, in cursor order.
+    - ``special``: position -> the ``FinishedGroup`` a group was queued with, for the
+      groups not queued complete (partial, dropped, replaced members: what their
+      ``FinishedGroup`` says cannot be read from the record alone). ``finished`` gives every
+      group's, made on first use for the others.
+    - ``finalize_times``: float64 (G,), Unix seconds; ``trainer_versions``: uint64 (G,), the
+      trainer's version when each group finished.
     - ``cursors``: int64 (G,), consecutive: ``cursors[g] == cursors[0] + g``.
     - ``outcome``: int8 (G,), ``OUTCOME_CODES`` (0 complete, 1 partial, 2 dropped).
     - ``offsets``: int64 (G + 1,), from 0 to N: group g's members are
@@ -154,7 +180,10 @@ class FinalizedBatch:
     its groups as columns (``columns``, built once) or as ``GroupResult`` objects.
     """
 
-    finished: tuple[FinishedGroup, ...]
+    groups: tuple[GroupRecord, ...]
+    special: Mapping[int, FinishedGroup]
+    finalize_times: NDArray[np.float64]
+    trainer_versions: NDArray[np.uint64]
     cursors: NDArray[np.int64]
     outcome: NDArray[np.int8]
     offsets: NDArray[np.int64]
@@ -171,12 +200,24 @@ class FinalizedBatch:
     _memo: _Memo = field(default_factory=_Memo, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
-        return len(self.finished)
+        return len(self.groups)
+
+    @property
+    def finished(self) -> tuple[FinishedGroup, ...]:
+        """The G ``FinishedGroup`` records, in cursor order, made on first use for the groups
+        queued complete (what per-group consumers read: the journal, ``GroupResult``
+        objects, the general paths); the columnar path never asks for them."""
+        found = self._memo.finished
+        if found is None:
+            found = self._memo.finished = finished_groups(
+                self.groups, self.special, self.finalize_times, self.trainer_versions
+            )
+        return found
 
     def member_indices(self) -> NDArray[np.int32]:
         """int32 (N,): the member index (``groups/{id}/sessions/{index}``) of each value."""
         if self.width:  # complete groups without replacements: 0..n-1 each
-            return np.tile(np.arange(self.width, dtype=np.int32), len(self.finished))
+            return np.tile(np.arange(self.width, dtype=np.int32), len(self.groups))
         lengths = np.diff(self.offsets)
         indices = np.arange(self.values.shape[0], dtype=np.int64) - np.repeat(
             self.offsets[:-1], lengths
@@ -257,8 +298,8 @@ class FinalizedBatch:
         return sizes
 
     def _group_bytes(self) -> NDArray[np.int64]:
-        n_groups = len(self.finished)
-        groups = list(map(_GROUP, self.finished))
+        n_groups = len(self.groups)
+        groups = self.groups
         names = np.diff(self.offsets)
         if not self.width:  # excluded members are named too, and replaced ones twice
             names = names + np.fromiter(
@@ -274,15 +315,12 @@ class FinalizedBatch:
         return result_bytes(names, id_lengths, task_lengths)
 
     def _columns(self) -> ResultColumns:
-        finished = self.finished
-        n_groups = len(finished)
-        groups = list(map(_GROUP, finished))
+        groups = self.groups
+        n_groups = len(groups)
         group_ids = list(map(_GROUP_ID, groups))
         task_ids = list(map(_TASK_ID, groups))
         lengths = np.diff(self.offsets)
-        trainer = np.fromiter(
-            map(attrgetter("trainer_version"), finished), dtype=np.uint64, count=n_groups
-        )
+        trainer = self.trainer_versions
         admitted = np.fromiter(
             map(attrgetter("admitted_version"), groups), dtype=np.uint64, count=n_groups
         )
@@ -312,6 +350,7 @@ class FinalizedBatch:
                 if params is not last:
                     last, position = params, known.setdefault(params, len(known))
                 of.append(position)
+            finished = self.finished
             for f in finished:
                 for s in f.excluded:
                     indices.append(s.index)
@@ -324,9 +363,7 @@ class FinalizedBatch:
             excluded_replaced = np.array(flags, dtype=np.bool_)
             pairs = np.array([f.versions() for f in finished], dtype=np.uint64)
             low, high = pairs.reshape(n_groups, 2).T
-        finalize = np.fromiter(
-            map(attrgetter("finalize_time"), finished), dtype=np.float64, count=n_groups
-        )
+        finalize = self.finalize_times
         has = self.has_filter_metrics
         if has.any():
             metrics = np.where(np.repeat(has, lengths), self.filter_metrics, np.nan)
@@ -365,7 +402,7 @@ class FinalizedBatch:
             column.nbytes if column.strides and column.strides[0] else column.itemsize
             for column in self._arrays()
         )
-        n_groups = len(self.finished)
+        n_groups = len(self.groups)
         members = max(self.members, int(self.values.shape[0]))
         return (
             arrays
@@ -383,9 +420,12 @@ class FinalizedBatch:
             tail_metrics = np.broadcast_to(np.float64(np.nan), (self.values.shape[0] - begin,))
         else:
             tail_metrics = metrics[begin:].copy()
-        finished = self.finished[start:]
+        groups = self.groups[start:]
         copy = FinalizedBatch(
-            finished=finished,
+            groups=groups,
+            special={g - start: f for g, f in self.special.items() if g >= start},
+            finalize_times=self.finalize_times[start:].copy(),
+            trainer_versions=self.trainer_versions[start:].copy(),
             cursors=self.cursors[start:].copy(),
             outcome=self.outcome[start:].copy(),
             offsets=self.offsets[start:] - begin,
@@ -397,14 +437,16 @@ class FinalizedBatch:
             filter_metrics=tail_metrics,
             has_filter_metrics=self.has_filter_metrics[start:].copy(),
             width=self.width,
-            record_bytes=sum(f.group.memory_bytes for f in finished),
-            members=sum(f.group.size + f.group.replaced for f in finished),
+            record_bytes=sum(g.memory_bytes for g in groups),
+            members=sum(g.size + g.replaced for g in groups),
         )
         copy.freeze()
         return copy
 
     def _arrays(self) -> tuple[NDArray[np.generic], ...]:
         return (
+            self.finalize_times,
+            self.trainer_versions,
             self.cursors,
             self.outcome,
             self.offsets,
@@ -511,7 +553,15 @@ class GroupFinalizer:
         """Finish numbers given so far (``GroupRecord.finish_number``)."""
         self._reduced = 0
         """Finish numbers reduced so far: the next batch starts at this one."""
-        self._pending: list[FinishedGroup] = []
+        self._pending: list[GroupRecord] = []
+        """The queued groups, in finish order."""
+        self._special: dict[int, FinishedGroup] = {}
+        """Position in ``_pending`` -> the ``FinishedGroup`` of a group queued by ``submit``
+        (those queued by ``submit_complete`` have none)."""
+        self._times = array("d")
+        """Per queued group: when it finished (Unix seconds)."""
+        self._versions = array("q")
+        """Per queued group: the trainer's version when it finished."""
         self._keys = array("q")
         """Per queued group: its ``reduce_key`` when complete without replacements, else -1."""
         self._rows = array("q")
@@ -552,13 +602,17 @@ class GroupFinalizer:
         here, so that the batch needs no pass over its groups."""
         group = finished.group
         origin = finished.origin
+        position = len(self._pending)
         if origin is not None:
             flow = origin.flow
-            flow.expect_group()
-            self._owed.append(len(self._pending))
+            flow.expect_groups(1)
+            self._owed.append(position)
             self._flow_of.append(self._flow_numbers.setdefault(flow, len(self._flow_numbers)))
             self._requests.append(origin.request)
-        self._pending.append(finished)
+        self._pending.append(group)
+        self._special[position] = finished
+        self._times.append(finished.finalize_time)
+        self._versions.append(finished.trainer_version)
         regular = finished.outcome is GroupOutcome.COMPLETE and not group.replaced
         self._keys.append(group.reduce_key if regular else -1)
         self._rows.append(group.arena_row if group.arena is not None else -1)
@@ -570,6 +624,48 @@ class GroupFinalizer:
         self._members += group.size + group.replaced  # at most: some may never have joined
         self._wake.set()
 
+    def submit_complete(
+        self,
+        groups: Sequence[GroupRecord],
+        origin: StreamOrigin | None,
+        finalize_time: float,
+        trainer_version: int,
+    ) -> None:
+        """Queues groups that finished complete, every member rewarded and none replaced
+        (what one request of rewards completes, in finish order), in one call: no
+        ``FinishedGroup`` or other object per group, only their places in the arrays (a
+        batch makes a group's ``FinishedGroup`` only for a consumer that asks for it)."""
+        count = len(groups)
+        if not count:
+            return
+        position = len(self._pending)
+        if origin is not None:
+            flow = origin.flow
+            flow.expect_groups(count)
+            self._owed.extend(range(position, position + count))
+            number = self._flow_numbers.setdefault(flow, len(self._flow_numbers))
+            self._flow_of.extend([number] * count)
+            self._requests.extend([origin.request] * count)
+        self._pending += groups
+        self._times.extend([finalize_time] * count)
+        self._versions.extend([trainer_version] * count)
+        self._keys.extend([g.reduce_key for g in groups])
+        self._rows.extend([g.arena_row for g in groups])
+        number = self._submitted
+        record_bytes = members = metric_groups = 0
+        for group in groups:
+            group.finish_number = number
+            number += 1
+            record_bytes += group.memory_bytes
+            members += group.size
+            if group.with_metrics:
+                metric_groups += 1
+        self._submitted = number
+        self._record_bytes += record_bytes
+        self._members += members
+        self._metric_groups += metric_groups
+        self._wake.set()
+
     def reduce_queued(self) -> FinalizedBatch | None:
         """The array half of ``drain``: reduces everything queued now and gives the groups
         their cursors, without publishing anything; None when nothing is queued.
@@ -577,6 +673,9 @@ class GroupFinalizer:
         ``drain()`` is ``publish(reduce_queued())``. A batch taken here must be handed to
         ``publish`` before the next one is reduced, or its cursors are given out again."""
         finished, self._pending = self._pending, []
+        special, self._special = self._special, {}
+        times, self._times = self._times, array("d")
+        versions, self._versions = self._versions, array("q")
         keys, self._keys = self._keys, array("q")
         rows, self._rows = self._rows, array("q")
         owed, self._owed = self._owed, array("q")
@@ -601,11 +700,25 @@ class GroupFinalizer:
         cursors = np.arange(first, first + len(finished), dtype=np.int64)
         head = keys[0]
         key_array = np.frombuffer(keys, dtype=np.int64)
+        groups = tuple(finished)
+        finalize_times = np.frombuffer(times, dtype=np.float64)
+        trainer_versions = np.frombuffer(versions, dtype=np.int64).astype(np.uint64)
+        made: tuple[FinishedGroup, ...] | None = None
         if head >= 0 and bool((key_array == head).all()):
-            batch = self._reduce_uniform(tuple(finished), rows, cursors, with_metrics > 0)
+            batch = self._reduce_uniform(groups, rows, cursors, with_metrics > 0)
         else:
-            batch = self._reduce_general(tuple(finished), keys, rows, cursors)
-        batch = dataclasses.replace(batch, record_bytes=record_bytes, members=members)
+            made = finished_groups(groups, special, finalize_times, trainer_versions)
+            batch = self._reduce_general(made, keys, rows, cursors)
+        batch = dataclasses.replace(
+            batch,
+            groups=groups,
+            special=special,
+            finalize_times=finalize_times,
+            trainer_versions=trainer_versions,
+            record_bytes=record_bytes,
+            members=members,
+        )
+        batch._memo.finished = made
         batch.freeze()
         self.degenerate += int(np.count_nonzero(batch.degenerate & (batch.outcome != _DROPPED)))
         self._taken = _Publication(batch, flows, owed, flow_of, requests, self._reduced)
@@ -613,13 +726,14 @@ class GroupFinalizer:
 
     def _reduce_uniform(
         self,
-        finished: tuple[FinishedGroup, ...],
+        groups: tuple[GroupRecord, ...],
         rows: array[int],
         cursors: NDArray[np.int64],
         with_metrics: bool,
     ) -> FinalizedBatch:
-        """Complete groups of one size and estimator: one gather, one row-path reduction."""
-        group = finished[0].group
+        """Complete groups of one size and estimator: one gather, one row-path reduction
+        (the batch's per-group fields are set by the caller)."""
+        group = groups[0]
         arena = group.arena
         assert arena is not None  # a reduce_key is only given with an arena row
         at = np.frombuffer(rows, dtype=np.int64).astype(np.intp, copy=False)
@@ -639,7 +753,10 @@ class GroupFinalizer:
             flat_metrics = np.broadcast_to(np.float64(np.nan), (n_groups * n,))
         arena.release(at)
         return FinalizedBatch(
-            finished=finished,
+            groups=(),
+            special={},
+            finalize_times=_EMPTY,
+            trainer_versions=_NO_VERSIONS,
             cursors=cursors,
             outcome=np.zeros(n_groups, dtype=np.int8),
             offsets=reduced.offsets,
@@ -722,7 +839,10 @@ class GroupFinalizer:
         advantages[dropped_members] = 0.0
         has, equal = _metric_flags(metrics, offsets)
         return FinalizedBatch(
-            finished=finished,
+            groups=(),
+            special={},
+            finalize_times=_EMPTY,
+            trainer_versions=_NO_VERSIONS,
             cursors=cursors,
             outcome=outcome,
             offsets=offsets,

@@ -968,6 +968,9 @@ class SessionRouter:
         record_rewards = self.groups.record_rewards
         with_metrics = metrics is not None
         freed: dict[str, list[tuple[str, int]]] = {}
+        completed: list[GroupRecord] = []
+        """Groups this request completed (every member rewarded, none replaced), handed to
+        the finalizer together, in finish order (before any other group finishes)."""
         OPEN, REWARDED = SessionState.OPEN, SessionState.REWARDED  # noqa: N806
         for group, start, end in resolved.runs:
             if group is None:
@@ -1036,11 +1039,22 @@ class SessionRouter:
                 if lost and group.stranded:
                     record_rewards(group, rewarded, with_metrics)
                     rewarded = []
+                    if completed:
+                        self._finish_complete(completed, origin)
+                        completed = []
                     self._finish(group, origin)
             if rewarded:
                 record_rewards(group, rewarded, with_metrics)
                 if group.settled:
-                    self._finish(group, origin)
+                    if group.rewarded == group.size == len(group.members):
+                        completed.append(group)
+                    else:
+                        if completed:
+                            self._finish_complete(completed, origin)
+                            completed = []
+                        self._finish(group, origin)
+        if completed:
+            self._finish_complete(completed, origin)
         for worker_id, keys in freed.items():
             self.workers.release_sessions(worker_id, keys)
         detail_entries = sorted(refused)
@@ -1085,6 +1099,35 @@ class SessionRouter:
                 self._finish(group, None)
                 finished += 1
         return finished
+
+    def _finish_complete(self, groups: list[GroupRecord], origin: StreamOrigin | None) -> None:
+        """``_finish`` for groups that are complete with every member rewarded and none
+        replaced (nothing to release, nothing to exclude): one finalizer call for all of
+        them, with no per-group record built."""
+        now = self.clock.wall()
+        mark_finished = self.groups.mark_finished
+        timed = self.on_group_finished
+        complete = GroupOutcome.COMPLETE
+        for group in groups:
+            group.state = GroupState.FINALIZED
+            mark_finished(group)
+            if timed is not None:
+                timed(complete, max(0.0, now - group.create_time))
+        self.stats.groups_finished[complete] += len(groups)
+        self.finalizer.submit_complete(groups, origin, now, self.trainer.version)
+        if log.isEnabledFor(logging.DEBUG):
+            for group in groups:
+                log.debug(
+                    "group %s",
+                    complete.value,
+                    extra={
+                        "event": "group_finished",
+                        "group_id": group.group_id,
+                        "outcome": complete.value,
+                        "rewarded": group.size,
+                        "group_size": group.size,
+                    },
+                )
 
     def _finish(self, group: GroupRecord, origin: StreamOrigin | None) -> None:
         members = group.members

@@ -242,9 +242,10 @@ class RewardFlow:
         self._next_request += 1
         return number
 
-    def expect_group(self) -> None:
-        """A reward of this stream finalized a group: its result is owed to this stream."""
-        self._pending_groups += 1
+    def expect_groups(self, count: int) -> None:
+        """Rewards of this stream finalized ``count`` groups: their results are owed to this
+        stream."""
+        self._pending_groups += count
 
     def ack(self, request_number: int, ack: RewardAck) -> None:
         """Queues the ack of request ``request_number`` and any results it unblocks."""
