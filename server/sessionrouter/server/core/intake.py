@@ -140,6 +140,10 @@ def resolve(
         return Resolved(sessions, unknown, _runs(group_of))
     starts, seq_of, indices = _split_handles(handles)
     bounds = [*starts, n]
+    if names is None:
+        found = _by_handles_only(seq_of, bounds, indices, find_seq)
+        if found is not None:
+            return Resolved(found[0], unknown, found[1])
     for k, seq in enumerate(seq_of):
         start, end = bounds[k], bounds[k + 1]
         group = find_seq(seq) if seq else None
@@ -163,6 +167,32 @@ def resolve(
             sessions[i] = session
             group_of[i] = group
     return Resolved(sessions, unknown, _runs(group_of))
+
+
+def _by_handles_only(
+    seq_of: list[int],
+    bounds: list[int],
+    indices: list[int],
+    find_seq: Callable[[int], GroupRecord | None],
+) -> tuple[list[SessionRecord | None], list[tuple[GroupRecord | None, int, int]]] | None:
+    """The common columnar request: handles only, every one naming a member of a group this
+    router holds. Each run of equal seqs is one run of one group (consecutive runs have
+    different seqs, so different groups), and its sessions are one list comprehension;
+    None when some handle names nothing (the general loop words those refusals)."""
+    sessions: list[SessionRecord | None] = []
+    runs: list[tuple[GroupRecord | None, int, int]] = []
+    for k, seq in enumerate(seq_of):
+        group = find_seq(seq) if seq else None
+        if group is None:
+            return None
+        start, end = bounds[k], bounds[k + 1]
+        members = group.members
+        run = indices[start:end]
+        if max(run) >= len(members):
+            return None
+        sessions += [members[index] for index in run]
+        runs.append((group, start, end))
+    return sessions, runs
 
 
 def _split_handles(handles: list[int]) -> tuple[list[int], list[int], list[int]]:
