@@ -506,6 +506,29 @@ class GroupLedger:
                 )
                 group.with_metrics += 1
 
+    @staticmethod
+    def record_columns(
+        arena: RewardArena,
+        rows: NDArray[np.intp],
+        slots: NDArray[np.intp],
+        values: NDArray[np.float64],
+    ) -> None:
+        """Writes the rewards just accepted for one request's entries into their groups' rows
+        of ``arena`` in one NumPy assignment: entry i's reward ``values[i]`` goes to row
+        ``rows[i]``, slot ``slots[i]`` (all (k,)). What ``record_rewards`` does per session,
+        for a request whose groups are of one size, without filter metrics or replaced
+        members; the caller widens the groups' counted versions (``widen_versions``)."""
+        arena.values[rows, slots] = values
+
+    @staticmethod
+    def widen_versions(group: GroupRecord, low: int, high: int) -> None:
+        """Widens ``group``'s counted versions to include ``low``..``high`` (the policy
+        versions of members just rewarded)."""
+        if low < group.counted_min_version:
+            group.counted_min_version = low
+        if high > group.counted_max_version:
+            group.counted_max_version = high
+
     def member_joined(self, group: GroupRecord, metadata: Mapping[str, str]) -> None:
         """A member was placed in ``group``, already added: counts its bytes."""
         cost = member_cost(group, metadata)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import NDArray
 
 from sessionrouter.server.core.groups import GroupRecord, SessionRecord
 from sessionrouter.server.core.rewards import RewardBatch
@@ -43,12 +44,15 @@ class Screen:
       checked once the session is known);
     - ``metrics``: (n,) each entry's filter metric, None where it gives none; None when no
       entry gives one.
+    - ``values``: float64 (n,), the rewards as one array (what a vectorized write of the
+      accepted ones into the arena rows reads).
     """
 
     bad_versions: dict[int, str]
     versions: dict[int, tuple[int, int]]
     bad_values: frozenset[int]
     metrics: list[float | None] | None
+    values: NDArray[np.float64]
 
 
 def screen(batch: RewardBatch) -> Screen:
@@ -64,7 +68,8 @@ def screen(batch: RewardBatch) -> Screen:
             if has is None
             else [m if h else None for m, h in zip(batch.metrics, has, strict=True)]
         )
-    bad_values = _bad_values(batch.rewards, metrics)
+    values = np.asarray(batch.rewards, dtype=np.float64)
+    bad_values = _bad_values(values, metrics)
     bad_versions: dict[int, str] = {}
     versions: dict[int, tuple[int, int]] = {}
     lows, highs = batch.min_versions, batch.max_versions
@@ -83,14 +88,13 @@ def screen(batch: RewardBatch) -> Screen:
                 bad_versions[i] = f"min_version {low} is above max_version {high}"
             else:
                 versions[i] = (low, high)
-    return Screen(bad_versions, versions, bad_values, metrics)
+    return Screen(bad_versions, versions, bad_values, metrics, values)
 
 
-def _bad_values(rewards: list[float], metrics: list[float | None] | None) -> frozenset[int]:
+def _bad_values(values: NDArray[np.float64], metrics: list[float | None] | None) -> frozenset[int]:
     """Entries whose reward is beyond ``MAX_REWARD_MAGNITUDE`` or not finite (one NumPy pass
     over the column: NaN fails the comparison, so it is refused with the infinities), or
     whose filter metric is not finite."""
-    values = np.asarray(rewards, dtype=np.float64)
     bad = set(np.flatnonzero(~(np.abs(values) <= MAX_REWARD_MAGNITUDE)).tolist())
     if metrics is not None:
         bad.update(i for i, m in enumerate(metrics) if m is not None and not math.isfinite(m))
@@ -106,11 +110,14 @@ class Resolved:
     - ``runs``: (group, start, end) for each maximal stretch of consecutive entries whose
       sessions are members of one group (``group`` None: entries that resolved to no
       session). They cover 0..n in order.
+    - ``slots``: int (n,), each entry's member index, when every entry resolved by its
+      handle alone (no entry unknown); else None.
     """
 
     sessions: list[SessionRecord | None]
     unknown: dict[int, str]
     runs: list[tuple[GroupRecord | None, int, int]]
+    slots: NDArray[np.intp] | None = None
 
 
 def resolve(
@@ -138,12 +145,13 @@ def resolve(
         for i in range(n):
             group_of[i] = _by_name(batch, i, sessions, unknown, find_once)
         return Resolved(sessions, unknown, _runs(group_of))
-    starts, seq_of, indices = _split_handles(handles)
+    starts, seq_of, column = _split_handles(handles)
+    indices: list[int] = column.tolist()
     bounds = [*starts, n]
     if names is None:
         found = _by_handles_only(seq_of, bounds, indices, find_seq)
         if found is not None:
-            return Resolved(found[0], unknown, found[1])
+            return Resolved(found[0], unknown, found[1], column.astype(np.intp, copy=False))
     for k, seq in enumerate(seq_of):
         start, end = bounds[k], bounds[k + 1]
         group = find_seq(seq) if seq else None
@@ -195,7 +203,7 @@ def _by_handles_only(
     return sessions, runs
 
 
-def _split_handles(handles: list[int]) -> tuple[list[int], list[int], list[int]]:
+def _split_handles(handles: list[int]) -> tuple[list[int], list[int], NDArray[np.uint64]]:
     """(where each run of equal group seqs starts, the seq of each run, each entry's member
     index) of a handle column, with NumPy; handles it cannot hold as uint64 (negative ones,
     from a caller of the core: they name no session) are split one by one."""
@@ -204,13 +212,14 @@ def _split_handles(handles: list[int]) -> tuple[list[int], list[int], list[int]]
     except (OverflowError, TypeError, ValueError):
         seqs = [h >> HANDLE_INDEX_BITS if h > 0 else 0 for h in handles]
         starts = [i for i in range(len(seqs)) if i == 0 or seqs[i] != seqs[i - 1]]
-        return starts, [seqs[i] for i in starts], [h & _INDEX_MASK for h in handles]
+        indices = np.array([h & _INDEX_MASK for h in handles], dtype=np.uint64)
+        return starts, [seqs[i] for i in starts], indices
     shifted = column >> np.uint64(HANDLE_INDEX_BITS)
     run_starts = np.flatnonzero(np.concatenate(([True], shifted[1:] != shifted[:-1])))
     return (
         run_starts.tolist(),
         shifted[run_starts].tolist(),
-        (column & np.uint64(_INDEX_MASK)).tolist(),
+        column & np.uint64(_INDEX_MASK),
     )
 
 

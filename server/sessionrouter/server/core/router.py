@@ -30,6 +30,9 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
+import numpy as np
+from numpy.typing import NDArray
+
 from sessionrouter.server.core.admission import check_joinable, check_start, resolve_options
 from sessionrouter.server.core.clock import Clock, SystemClock
 from sessionrouter.server.core.commands import (
@@ -71,11 +74,12 @@ from sessionrouter.server.core.groups import (
     GroupSettings,
     GroupState,
     RequestRecord,
+    RewardArena,
     SessionRecord,
     SessionState,
     member_cost,
 )
-from sessionrouter.server.core.intake import resolve, screen
+from sessionrouter.server.core.intake import Resolved, resolve, screen
 from sessionrouter.server.core.placement import PlacementMode, PlacementPolicy, choose_worker
 from sessionrouter.server.core.recovery import RestoreSummary, rebuild
 from sessionrouter.server.core.rewards import (
@@ -139,6 +143,7 @@ __all__ = [  # the command, result and settings types live in their own modules
 
 log = logging.getLogger("sessionrouter.router")
 
+_ACCEPTED = STATUS_CODES[RewardStatus.ACCEPTED]
 _NOT_FINITE = STATUS_CODES[RewardStatus.NOT_FINITE]
 _GROUP_CLOSED = STATUS_CODES[RewardStatus.GROUP_CLOSED]
 _INVALID_VERSIONS = STATUS_CODES[RewardStatus.INVALID_VERSIONS]
@@ -971,6 +976,8 @@ class SessionRouter:
         completed: list[GroupRecord] = []
         """Groups this request completed (every member rewarded, none replaced), handed to
         the finalizer together, in finish order (before any other group finishes)."""
+        arena = self._one_arena(resolved) if metrics is None else None
+        """Set when the accepted rewards go into the arena in one write after the loop."""
         OPEN, REWARDED = SessionState.OPEN, SessionState.REWARDED  # noqa: N806
         for group, start, end in resolved.runs:
             if group is None:
@@ -992,6 +999,7 @@ class SessionRouter:
             # and whether a member is lost cannot change during this call: look once.
             lost = any(s.worker_lost for s in group.members)
             rewarded: list[SessionRecord] = []
+            low, high = group.counted_min_version, group.counted_max_version
             for i in range(start, end):
                 if flagged:
                     if i in bad_versions:
@@ -1027,6 +1035,10 @@ class SessionRouter:
                 group.rewarded += 1
                 if metric is not None:
                     session.filter_metric = metric = float(metric)
+                if session.min_version < low:
+                    low = session.min_version
+                if session.max_version > high:
+                    high = session.max_version
                 rewarded.append(session)
                 if journal is not None:
                     journal.reward(group.seq, session.index, reward)
@@ -1044,7 +1056,10 @@ class SessionRouter:
                         completed = []
                     self._finish(group, origin)
             if rewarded:
-                record_rewards(group, rewarded, with_metrics)
+                if arena is None:
+                    record_rewards(group, rewarded, with_metrics)
+                else:
+                    self.groups.widen_versions(group, low, high)
                 if group.settled:
                     if group.rewarded == group.size == len(group.members):
                         completed.append(group)
@@ -1053,6 +1068,8 @@ class SessionRouter:
                             self._finish_complete(completed, origin)
                             completed = []
                         self._finish(group, origin)
+        if arena is not None:
+            self._record_accepted(arena, resolved, codes, refused, checked.values)
         if completed:
             self._finish_complete(completed, origin)
         for worker_id, keys in freed.items():
@@ -1072,6 +1089,44 @@ class SessionRouter:
         else:
             counts[RewardStatus.ACCEPTED] += n
         return outcome
+
+    @staticmethod
+    def _one_arena(resolved: Resolved) -> RewardArena | None:
+        """The arena of every group a request names, when its entries all resolved by handle
+        (``Resolved.slots``) to groups of one size without replaced members: then the
+        accepted rewards are written in one NumPy assignment (``_record_accepted``) instead
+        of one scalar write per session. None otherwise."""
+        if resolved.slots is None or not resolved.runs:
+            return None
+        arena = resolved.runs[0][0].arena if resolved.runs[0][0] is not None else None
+        for group, _, _ in resolved.runs:
+            if group is None or group.arena is not arena or group.replaced:
+                return None
+        return arena
+
+    def _record_accepted(
+        self,
+        arena: RewardArena,
+        resolved: Resolved,
+        codes: bytearray,
+        refused: dict[int, str],
+        values: NDArray[np.float64],
+    ) -> None:
+        """Writes the accepted entries' rewards into their groups' arena rows at once (the
+        request ``_one_arena`` found writable so)."""
+        runs = resolved.runs
+        slots = resolved.slots
+        assert slots is not None
+        rows = np.repeat(
+            np.array([g.arena_row if g is not None else -1 for g, _, _ in runs], dtype=np.intp),
+            [end - start for _, start, end in runs],
+        )
+        if refused:
+            accepted = np.frombuffer(codes, dtype=np.uint8) == _ACCEPTED
+            if not accepted.any():
+                return
+            rows, slots, values = rows[accepted], slots[accepted], values[accepted]
+        self.groups.record_columns(arena, rows, slots, values)
 
     def _foreign(self, batch: RewardBatch, i: int) -> RewardOutcome | None:
         """Entry i's WRONG_SHARD outcome when its handle names another shard, or its name
