@@ -14,16 +14,18 @@ an order that rotates from round to round, so that drifting load hits each of th
   arrays and scalars stand in for the torch tensors; the token dimension (``sum(dim=-1)``
   before, ``unsqueeze(-1) * response_mask`` after) is left out: one scalar reward per sample.
 - ``kernel``: the row-path estimator alone (``ROW_ESTIMATORS["grpo"]``) on the (G, n) matrix.
-- ``finalizer``: the finalizer's path, rewards in, results out, no journal: from the groups
-  as the router queues them (rewards recorded in their arena rows by
-  ``GroupLedger.record_rewards``, one ``FinishedGroup`` per group handed to ``submit`` by the
-  router's ``_finish``) to the results on the feed: ``reduce_queued`` (gather of the rows,
+- ``finalizer``: the finalizer's path from the queue on, no journal: from the groups as the
+  router queues them (rewards recorded in their arena rows by ``GroupLedger.record_rewards``,
+  handed to ``submit_complete``) to the results on the feed: ``reduce_queued`` (gather of the rows,
   finiteness check, reduction, cursors, filter-metric rule, rows released) and
   ``publish_batch`` (the feed retains the ``FinalizedBatch``, the groups' cursors become
   visible, streams owed results get their positions: none here). What a subscriber then
   reads is there; packing it for the wire is ``+pack``.
-- ``+submit``: the same plus the G ``submit`` calls (one Python call per group, made by the
-  router as each group finishes, so really part of its per-group finishing cost).
+- ``+submit``: rewards in, results out: the same plus queueing the groups as the router
+  does, one ``GroupFinalizer.submit_complete`` call per SubmitRewards request with the
+  groups that request completed (``--per-request`` rewards per request, 256 by default: 32
+  groups of 8 per call). This is the router's real submit path for complete groups
+  (``SessionRouter._finish_complete``); the targets are checked on it.
 - ``+pack``: ``finalizer`` plus what one columnar feed subscriber costs: the batch's columns
   (built once, kept for every subscriber) and its ``GroupResultBatch`` messages (1 MiB each;
   packed once, shared by the subscribers that read the same groups).
@@ -60,8 +62,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from sessionrouter.server.core.estimators import ROW_ESTIMATORS, EstimatorParams
-from sessionrouter.server.core.feed import GroupFeed, GroupOutcome
-from sessionrouter.server.core.finalizer import FinalizedBatch, FinishedGroup, GroupFinalizer
+from sessionrouter.server.core.feed import GroupFeed
+from sessionrouter.server.core.finalizer import FinalizedBatch, GroupFinalizer
 from sessionrouter.server.core.groups import (
     GroupLedger,
     GroupRecord,
@@ -73,7 +75,7 @@ from sessionrouter.server.core.groups import (
 from sessionrouter.server.servicer import feed_messages
 
 PARAMS = EstimatorParams("grpo", eps=1e-6, ddof=1)
-TARGETS = {"verl/finalizer": 300.0, "finalizer/floor": 30.0, "kernel/floor": 10.0}
+TARGETS = {"verl/+submit": 300.0, "+submit/floor": 30.0, "kernel/floor": 10.0}
 """At least (verl/...) or at most (.../floor) these ratios."""
 
 
@@ -120,7 +122,6 @@ class RouterState:
     """Finished groups as the router hands them to the finalizer."""
 
     groups: list[GroupRecord]
-    finished: list[FinishedGroup]
     arena: RewardArena
     matrix: NDArray[np.float64]
     ledger: GroupLedger
@@ -141,7 +142,7 @@ def build_state(matrix: NDArray[np.float64]) -> RouterState:
     n_groups, n = matrix.shape
     ledger = GroupLedger(finished_retention=n_groups)
     settings = GroupSettings(PARAMS, deadline_s=600.0, min_members=2)
-    groups, finished = [], []
+    groups = []
     rewards = matrix.tolist()
     for g in range(n_groups):
         gid = f"g{g}"
@@ -154,20 +155,19 @@ def build_state(matrix: NDArray[np.float64]) -> RouterState:
             group.rewarded += 1
         ledger.record_rewards(group, group.members, metrics=False)
         groups.append(group)
-        finished.append(
-            FinishedGroup(group, GroupOutcome.COMPLETE, tuple(group.members), (), 0.0, None)
-        )
     arena = ledger.arenas[n]
     assert np.array_equal(arena.values[[g.arena_row for g in groups]], matrix)
-    return RouterState(groups, finished, arena, matrix, ledger)
+    return RouterState(groups, arena, matrix, ledger)
 
 
-def queued(state: RouterState) -> GroupFinalizer:
-    """A finalizer with every finished group submitted (what the router's ``_finish`` does)."""
-    feed = GroupFeed(retention=len(state.finished) + 1)
+def queued(state: RouterState, per_call: int) -> GroupFinalizer:
+    """A finalizer with every finished group queued as the router queues the groups a
+    request completes (``_finish_complete``): ``per_call`` groups per ``submit_complete``."""
+    groups = state.groups
+    feed = GroupFeed(retention=len(groups) + 1)
     finalizer = GroupFinalizer(feed, 0.0, 1 << 30, book=state.ledger.cursor_book)
-    for f in state.finished:
-        finalizer.submit(f)
+    for start in range(0, len(groups), per_call):
+        finalizer.submit_complete(groups[start : start + per_call], None, 0.0, 0)
     return finalizer
 
 
@@ -199,19 +199,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5, help="rounds (medians over them)")
     parser.add_argument("--quick", action="store_true", help="80k rewards, 3 rounds")
+    parser.add_argument(
+        "--per-request",
+        type=int,
+        default=256,
+        help="rewards per SubmitRewards request: +submit queues the groups of that many"
+        " rewards per submit_complete call",
+    )
     args = parser.parse_args(argv)
     n_rewards, n, repeats = args.rewards, args.group_size, args.repeats
     if args.quick:
         n_rewards, repeats = 80_000, 3
     n_groups = n_rewards // n
     n_rewards = n_groups * n
+    per_call = max(1, args.per_request // n)
 
     print(f"# command: {shlex.join([sys.executable, *sys.argv])}")
     print(f"# uptime before: {uptime()}")
     print(
         f"# numpy {np.__version__}, python {platform.python_version()}, {platform.machine()},"
         f" {os.cpu_count()} cpus; {n_rewards:,} binary rewards in {n_groups:,} groups of {n};"
-        f" grpo eps={PARAMS.eps} ddof={PARAMS.ddof}; medians of {repeats} rounds, order rotated"
+        f" grpo eps={PARAMS.eps} ddof={PARAMS.ddof}; medians of {repeats} rounds, order rotated;"
+        f" +submit queues {per_call} groups per submit_complete ({args.per_request} rewards per"
+        " request)"
     )
     rng = np.random.default_rng(n_rewards + n)
     matrix = rng.integers(0, 2, (n_groups, n)).astype(np.float64)
@@ -226,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     verl = verl_grpo_outcome_advantage(flat, index, PARAMS.eps)
     kernel = ROW_ESTIMATORS["grpo"](matrix, PARAMS).advantages
     state.reset()
-    finalizer = queued(state)
+    finalizer = queued(state, per_call)
     batch = finalizer_path(finalizer)
     assert np.array_equal(batch.advantages, kernel)
     assert np.array_equal(batch.values, flat)
@@ -245,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return None
 
     def queue() -> GroupFinalizer | None:
-        return queued(state)
+        return queued(state, per_call)
 
     def from_queue(then: str) -> Callable[[GroupFinalizer | None], object]:
         def run(finalizer: GroupFinalizer | None) -> object:
@@ -260,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "verl": (nothing, lambda _: verl_grpo_outcome_advantage(flat, index, PARAMS.eps)),
         "kernel": (nothing, lambda _: ROW_ESTIMATORS["grpo"](matrix, PARAMS)),
         "finalizer": (queue, from_queue("")),
-        "+submit": (nothing, lambda _: finalizer_path(queued(state))),
+        "+submit": (nothing, lambda _: finalizer_path(queued(state, per_call))),
         "+pack": (queue, from_queue("pack")),
         "+objects": (queue, from_queue("objects")),
         "floor": (nothing, lambda _: np.subtract(flat, other, out=out)),

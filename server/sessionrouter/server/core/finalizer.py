@@ -647,19 +647,24 @@ class GroupFinalizer:
             self._flow_of.extend([number] * count)
             self._requests.extend([origin.request] * count)
         self._pending += groups
-        self._times.extend([finalize_time] * count)
-        self._versions.extend([trainer_version] * count)
-        self._keys.extend([g.reduce_key for g in groups])
-        self._rows.extend([g.arena_row for g in groups])
+        self._times.extend(array("d", [finalize_time]) * count)
+        self._versions.extend(array("q", [trainer_version]) * count)
+        # One pass over the groups, each record read once (a pass per field costs a cache
+        # miss per group each time once the groups outnumber the cache).
+        keys, rows = [], []
         number = self._submitted
         record_bytes = members = metric_groups = 0
         for group in groups:
+            keys.append(group.reduce_key)
+            rows.append(group.arena_row)
             group.finish_number = number
             number += 1
             record_bytes += group.memory_bytes
             members += group.size
             if group.with_metrics:
                 metric_groups += 1
+        self._keys.extend(keys)
+        self._rows.extend(rows)
         self._submitted = number
         self._record_bytes += record_bytes
         self._members += members
