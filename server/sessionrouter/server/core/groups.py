@@ -355,6 +355,9 @@ class GroupLedger:
         self.open_bytes = 0
         """Wire-size estimate of the open groups with the members placed so far."""
         self._groups: dict[str, GroupRecord] = {}
+        self._by_seq: dict[int, GroupRecord] = {}
+        """The retained groups by seq (``find_seq``: a session handle's group, once per run
+        of a reward request's entries)."""
         self._requests: dict[str, RequestRecord] = {}
         self._finished: deque[tuple[str, int]] = deque()
         self._order_seq: list[int] = []
@@ -413,11 +416,10 @@ class GroupLedger:
 
     def find_seq(self, seq: int) -> GroupRecord | None:
         """The retained group created ``seq``-th (a session handle's group), or None."""
-        at = bisect.bisect_left(self._order_seq, seq)
-        if at == len(self._order_seq) or self._order_seq[at] != seq:
+        group = self._by_seq.get(seq)
+        if group is None or self._groups.get(group.group_id) is not group:
             return None
-        group = self._groups.get(self._order_ids[at])
-        return group if group is not None and group.seq == seq else None
+        return group
 
     def get(self, group_id: str) -> GroupRecord:
         group = self._groups.get(group_id)
@@ -453,6 +455,7 @@ class GroupLedger:
             self._place_rewards(group)
         group.cursor_book = self.cursor_book
         self._groups[group.group_id] = group
+        self._by_seq[group.seq] = group
         self._order_seq.append(group.seq)
         self._order_ids.append(group.group_id)
         self.open_groups += 1
@@ -559,6 +562,8 @@ class GroupLedger:
             self.finished_bytes -= old_size
             old = self._groups.pop(old_id, None)
             if old is not None:
+                if self._by_seq.get(old.seq) is old:
+                    del self._by_seq[old.seq]
                 for request_id in old.request_ids:
                     self._requests.pop(request_id, None)
         if len(self._order_ids) > 2 * len(self._groups) + 1024:

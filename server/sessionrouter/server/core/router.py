@@ -25,6 +25,7 @@ import dataclasses
 import heapq
 import logging
 import math
+import operator
 import secrets
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -143,6 +144,7 @@ __all__ = [  # the command, result and settings types live in their own modules
 
 log = logging.getLogger("sessionrouter.router")
 
+_WORKER_LOST = operator.attrgetter("worker_lost")
 _ACCEPTED = STATUS_CODES[RewardStatus.ACCEPTED]
 _NOT_FINITE = STATUS_CODES[RewardStatus.NOT_FINITE]
 _GROUP_CLOSED = STATUS_CODES[RewardStatus.GROUP_CLOSED]
@@ -997,7 +999,7 @@ class SessionRouter:
                 continue
             # Stranded (only lost members left open) is possible only with a lost member,
             # and whether a member is lost cannot change during this call: look once.
-            lost = any(s.worker_lost for s in group.members)
+            lost = any(map(_WORKER_LOST, group.members))
             rewarded: list[SessionRecord] = []
             low, high = group.counted_min_version, group.counted_max_version
             for i in range(start, end):
