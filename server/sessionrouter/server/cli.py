@@ -40,6 +40,7 @@ from sessionrouter.server.config import (  # noqa: E402
     flag_values,
     load_file,
 )
+from sessionrouter.server.gc_policy import settle_heap  # noqa: E402
 from sessionrouter.server.journal import JournalError  # noqa: E402
 from sessionrouter.server.shards.link import ShardStartError  # noqa: E402
 
@@ -76,6 +77,7 @@ async def serve(config: ServerConfig, port_file: str | None) -> int:
     then drains."""
     server = RouterServer(config)
     port = await server.start()
+    settle_heap()
     if port_file:
         _write_port_file(port_file, port)
     print(f"sessionrouter listening on {config.listen.rsplit(':', 1)[0]}:{port}", flush=True)
