@@ -13,7 +13,11 @@
 //  5. start a second group with StartGroup and submit its rewards in columnar form (one
 //     RewardColumns of session handles, an unknown handle along the way), check the packed
 //     statuses of the ack, and read the group's result from a GroupResultBatch;
-//  6. deregister the workers.
+//  6. begin a weight update of worker 0 to version 4 with one call (no group id: through a
+//     shard map it reaches one shard, and the shards share the update through NATS), start
+//     updateProbes groups of one member (ids spread over the shards), check none is placed
+//     on worker 0, complete the update and check the worker serves version 4;
+//  7. deregister the workers.
 //
 // Every call about the group carries the x-group-id header, so the scenario also runs through
 // a proxy that maps groups to shards (nginx hashing $http_x_group_id): worker calls name no
@@ -50,6 +54,10 @@ const (
 	trainerVersion = 2
 	eps            = 1e-6
 	tolerance      = 1e-9
+	// updateProbes is how many one-member groups probe placement during the weight update;
+	// their ids hash to shards at random: through a map of 3 shards all 9 land on the shard
+	// that took the update with probability 3^-9.
+	updateProbes = 9
 )
 
 // rewards are the rewards of the members, by index.
@@ -97,8 +105,8 @@ func run(addr string) (err error) {
 	fmt.Printf("registered workers %v\n", workerIDs)
 	groupID := "go-" + runID
 	taskID := "go-task-" + runID
-	// The header a shard map routes by; a sharded router checks it against the request. The
-	// trainer state goes with it too: each shard keeps its own, and the group's shard admits it.
+	// The header a shard map routes by; a sharded router checks it against the request.
+	// Shards share the trainer state: any one of them writes it for all.
 	groupCtx := metadata.AppendToOutgoingContext(ctx, "x-group-id", groupID)
 	if _, err := sessions.SetTrainerState(groupCtx, &pb.SetTrainerStateRequest{Version: trainerVersion}); err != nil {
 		return fmt.Errorf("SetTrainerState: %w", err)
@@ -124,13 +132,71 @@ func run(addr string) (err error) {
 		return err
 	}
 	// The columnar group is another group, so possibly another shard: its calls carry its own
-	// x-group-id, and its shard hears the trainer version too (the same version again is a no-op).
+	// x-group-id.
 	columnarID := groupID + "-columnar"
 	columnarCtx := metadata.AppendToOutgoingContext(ctx, "x-group-id", columnarID)
-	if _, err := sessions.SetTrainerState(columnarCtx, &pb.SetTrainerStateRequest{Version: trainerVersion}); err != nil {
-		return fmt.Errorf("SetTrainerState for the columnar group: %w", err)
+	if err := submitColumnar(columnarCtx, sessions, columnarID, taskID); err != nil {
+		return err
 	}
-	return submitColumnar(columnarCtx, sessions, columnarID, taskID)
+	return weightUpdate(ctx, workers, sessions, workerIDs, groupID, taskID)
+}
+
+// weightUpdate begins a weight update of workerIDs[0] with one call, which carries no group
+// id (a shard map sends it to any one shard), checks that none of updateProbes one-member
+// groups, each routed by its own id, is placed on that worker, then completes the update and
+// checks the worker serves the new version.
+func weightUpdate(ctx context.Context, workers pb.WorkerServiceClient, sessions pb.SessionServiceClient,
+	workerIDs []string, groupID, taskID string) error {
+	updating := workerIDs[0]
+	target := uint64(policyVersion + 1)
+	begun, err := workers.BeginWeightUpdate(ctx, &pb.BeginWeightUpdateRequest{
+		Version: target, WorkerIds: []string{updating},
+	})
+	if err != nil {
+		return fmt.Errorf("BeginWeightUpdate %s: %w", updating, err)
+	}
+	if len(begun.GetWorkers()) != 1 || begun.GetWorkers()[0].GetUpdatingToVersion() != target {
+		return fmt.Errorf("BeginWeightUpdate: workers %v, want %s updating to %d",
+			begun.GetWorkers(), updating, target)
+	}
+	for i := range updateProbes {
+		probe := fmt.Sprintf("%s-update-%d", groupID, i)
+		probeCtx := metadata.AppendToOutgoingContext(ctx, "x-group-id", probe)
+		reply, err := sessions.StartSession(probeCtx, &pb.StartSessionRequest{
+			TaskId:       taskID,
+			GroupId:      proto.String(probe),
+			GroupSize:    1,
+			GroupOptions: &pb.GroupOptions{Selector: map[string]string{"client": "go"}},
+		})
+		if err != nil {
+			return fmt.Errorf("StartSession %s: %w", probe, err)
+		}
+		if reply.GetSession().GetWorkerId() == updating {
+			return fmt.Errorf("group %s was placed on %s, which is updating its weights", probe, updating)
+		}
+		if _, err := sessions.AbortSession(probeCtx, &pb.AbortSessionRequest{
+			Session: reply.GetSession().GetName(), Reason: "probe",
+		}); err != nil {
+			return fmt.Errorf("AbortSession %s: %w", reply.GetSession().GetName(), err)
+		}
+	}
+	done, err := workers.CompleteWeightUpdate(ctx, &pb.CompleteWeightUpdateRequest{WorkerId: updating})
+	if err != nil {
+		return fmt.Errorf("CompleteWeightUpdate %s: %w", updating, err)
+	}
+	if !done.GetUpdateFinished() {
+		return errors.New("CompleteWeightUpdate: update_finished is false")
+	}
+	after, err := workers.GetWorker(ctx, &pb.GetWorkerRequest{WorkerId: updating})
+	if err != nil {
+		return fmt.Errorf("GetWorker %s: %w", updating, err)
+	}
+	if w := after.GetWorker(); w.GetPolicyVersion() != target || w.GetUpdatingToVersion() != 0 {
+		return fmt.Errorf("worker %s after the update: version %d, updating to %d",
+			updating, w.GetPolicyVersion(), w.GetUpdatingToVersion())
+	}
+	fmt.Printf("weight update of %s to %d: no probe placed on it, completed\n", updating, target)
+	return nil
 }
 
 // startGroup forms the group through groupSize concurrent StartSession calls and returns the

@@ -1,6 +1,13 @@
 package dev.sessionrouter.interop;
 
+import dev.sessionrouter.v1.AbortSessionRequest;
+import dev.sessionrouter.v1.BeginWeightUpdateRequest;
+import dev.sessionrouter.v1.BeginWeightUpdateResponse;
+import dev.sessionrouter.v1.CompleteWeightUpdateRequest;
+import dev.sessionrouter.v1.CompleteWeightUpdateResponse;
 import dev.sessionrouter.v1.DeregisterWorkerRequest;
+import dev.sessionrouter.v1.GetWorkerRequest;
+import dev.sessionrouter.v1.GroupOptions;
 import dev.sessionrouter.v1.GroupOutcome;
 import dev.sessionrouter.v1.GroupResult;
 import dev.sessionrouter.v1.RegisterWorkerRequest;
@@ -15,6 +22,7 @@ import dev.sessionrouter.v1.StartSessionRequest;
 import dev.sessionrouter.v1.StartSessionResponse;
 import dev.sessionrouter.v1.SubmitRewardsRequest;
 import dev.sessionrouter.v1.SubmitRewardsResponse;
+import dev.sessionrouter.v1.Worker;
 import dev.sessionrouter.v1.WorkerServiceGrpc;
 import io.grpc.ClientInterceptor;
 import io.grpc.Grpc;
@@ -47,7 +55,11 @@ import java.util.concurrent.TimeUnit;
  * INVALID_ARGUMENT; submits rewards [1, 0, 0, 1] on one SubmitRewards stream, with an unknown
  * session and a NaN reward along the way, checks each entry's status, the group_result's
  * advantages against GRPO computed here (ddof 1, eps 1e-6) and its versions (min and max 3,
- * trainer 2); deregisters the workers.
+ * trainer 2); begins a weight update of worker 0 to version 4 with one call (no group id:
+ * through a shard map it reaches one shard, and the shards share the update through NATS),
+ * starts UPDATE_PROBES groups of one member (ids spread over the shards), checks none is placed
+ * on worker 0, completes the update and checks the worker serves version 4; deregisters the
+ * workers.
  *
  * <p>Every call about the group carries the {@code x-group-id} header, so the scenario also runs
  * through a proxy that maps groups to shards (nginx hashing {@code $http_x_group_id}); worker
@@ -63,6 +75,12 @@ public final class InteropClient {
   private static final long POLICY_VERSION = 3;
   private static final long TRAINER_VERSION = 2;
   private static final long CALL_TIMEOUT_SECONDS = 30;
+  /**
+   * One-member groups that probe placement during the weight update; their ids hash to shards
+   * at random: through a map of 3 shards all 9 land on the shard that took the update with
+   * probability 3^-9.
+   */
+  private static final int UPDATE_PROBES = 9;
 
   private final WorkerServiceGrpc.WorkerServiceBlockingStub workers;
   private final SessionServiceGrpc.SessionServiceBlockingStub sessions;
@@ -153,17 +171,73 @@ public final class InteropClient {
       System.out.println("registered workers " + workerIds);
       String groupId = "java-" + runId;
       String taskId = "java-task-" + runId;
-      // Each shard keeps its own trainer state: it goes to the group's shard, as the group does.
+      // Shards share the trainer state: any one of them writes it for all.
       sessions(groupId)
           .setTrainerState(SetTrainerStateRequest.newBuilder().setVersion(TRAINER_VERSION).build());
       Session[] members = startGroup(groupId, taskId);
       checkSizeConflict(groupId, taskId);
       submitRewards(groupId, members);
+      weightUpdate(workerIds, groupId, taskId);
     } finally {
       for (String id : workerIds) {
         workers().deregisterWorker(DeregisterWorkerRequest.newBuilder().setWorkerId(id).build());
       }
     }
+  }
+
+  /**
+   * Begins a weight update of worker 0 with one call, which carries no group id (a shard map
+   * sends it to any one shard), checks that no probe group, each routed by its own id, is placed
+   * on that worker, then completes the update and checks the worker serves the new version.
+   */
+  private void weightUpdate(List<String> workerIds, String groupId, String taskId) {
+    String updating = workerIds.get(0);
+    long target = POLICY_VERSION + 1;
+    BeginWeightUpdateResponse begun =
+        workers()
+            .beginWeightUpdate(
+                BeginWeightUpdateRequest.newBuilder()
+                    .setVersion(target)
+                    .addWorkerIds(updating)
+                    .build());
+    check(
+        begun.getWorkersCount() == 1 && begun.getWorkers(0).getUpdatingToVersion() == target,
+        "BeginWeightUpdate: workers " + begun.getWorkersList().stream()
+            .map(Worker::getWorkerId).toList() + ", want " + updating + " updating to " + target);
+    for (int i = 0; i < UPDATE_PROBES; i++) {
+      String probe = groupId + "-update-" + i;
+      StartSessionResponse reply =
+          sessions(probe)
+              .startSession(
+                  StartSessionRequest.newBuilder()
+                      .setTaskId(taskId)
+                      .setGroupId(probe)
+                      .setGroupSize(1)
+                      .setGroupOptions(GroupOptions.newBuilder().putSelector("client", "java"))
+                      .build());
+      check(
+          !reply.getSession().getWorkerId().equals(updating),
+          "group " + probe + " was placed on " + updating + ", which is updating its weights");
+      sessions(probe)
+          .abortSession(
+              AbortSessionRequest.newBuilder()
+                  .setSession(reply.getSession().getName())
+                  .setReason("probe")
+                  .build());
+    }
+    CompleteWeightUpdateResponse done =
+        workers()
+            .completeWeightUpdate(
+                CompleteWeightUpdateRequest.newBuilder().setWorkerId(updating).build());
+    check(done.getUpdateFinished(), "CompleteWeightUpdate: update_finished is false");
+    Worker after =
+        workers().getWorker(GetWorkerRequest.newBuilder().setWorkerId(updating).build()).getWorker();
+    check(
+        after.getPolicyVersion() == target && after.getUpdatingToVersion() == 0,
+        "worker " + updating + " after the update: version " + after.getPolicyVersion()
+            + ", updating to " + after.getUpdatingToVersion());
+    System.out.println(
+        "weight update of " + updating + " to " + target + ": no probe placed on it, completed");
   }
 
   /** Forms the group through GROUP_SIZE concurrent StartSession calls; members by index. */
