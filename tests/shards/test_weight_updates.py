@@ -8,7 +8,7 @@ on two shards never leave a mixture; a restarted shard takes the update state fr
 over its journal. Bad input gets exactly the single
 router's refusals (compared call by call against one unsharded router), and with NATS down
 both calls are UNAVAILABLE NATS_UNAVAILABLE. GetTrainerState on any shard counts the groups
-of the whole fleet.
+and the worker versions of the whole fleet, and MIXED_VERSIONS is refused by the pool's.
 
 The tests share one cluster and run in file order: the NATS outage is last.
 """
@@ -392,6 +392,67 @@ async def test_get_trainer_state_counts_the_whole_fleet(shards: list[Stubs]) -> 
     await shards[0].sessions.SetTrainerState(
         spb.SetTrainerStateRequest(version=1, clear_policy=True)
     )
+
+
+async def test_every_shard_counts_the_versions_of_the_whole_pool(shards: list[Stubs]) -> None:
+    """``distinct_worker_versions`` and the MIXED_VERSIONS refusal read the whole pool on
+    every shard: workers of capacity 1 have a share on one shard of 3 only, so a shard that
+    read its own table would count 0 or 1 of them."""
+    run = run_id()
+    labels = {"run": run}
+    a, b = f"ver-{run}-a", f"ver-{run}-b"
+
+    async def versions() -> list[int]:
+        return [
+            (
+                await s.sessions.GetTrainerState(spb.GetTrainerStateRequest())
+            ).state.distinct_worker_versions
+            for s in shards
+        ]
+
+    async def agreed() -> bool:
+        return len(set(await versions())) == 1
+
+    await eventually(agreed)
+    before = (await versions())[0]
+    async with pool(shards, {a: 1, b: 1}, labels):
+        for worker, version in ((a, 101), (b, 102)):
+            await shards[2].workers.Heartbeat(
+                wpb.HeartbeatRequest(worker_id=worker, policy_version=version)
+            )
+
+        async def counted(want: int) -> Callable[[], Awaitable[bool]]:
+            async def check() -> bool:
+                return await versions() == [want] * N
+
+            return check
+
+        await eventually(await counted(before + 2))
+        trainer = (await shards[0].sessions.GetTrainerState(spb.GetTrainerStateRequest())).state
+        await shards[0].sessions.SetTrainerState(
+            spb.SetTrainerStateRequest(version=trainer.version, refuse_mixed_versions=True)
+        )
+        try:
+            for index, ids in owned(f"ver-{run}", 1).items():
+                request = spb.StartGroupRequest(task_id="t", group_id=ids[0], group_size=1)
+                request.group_options.selector.update(labels)
+
+                async def refused(
+                    index: int = index, request: spb.StartGroupRequest = request
+                ) -> bool:
+                    try:
+                        await shards[index].sessions.StartGroup(request)
+                    except grpc.aio.AioRpcError as error:
+                        return details_of(error).reason == "MIXED_VERSIONS"
+                    return False
+
+                await eventually(refused)
+        finally:
+            await shards[0].sessions.SetTrainerState(
+                spb.SetTrainerStateRequest(version=trainer.version, refuse_mixed_versions=False)
+            )
+        await shards[2].workers.Heartbeat(wpb.HeartbeatRequest(worker_id=a, policy_version=102))
+        await eventually(await counted(before + 1))
 
 
 def updating_to(version: int) -> Callable[[pb.Worker], bool]:

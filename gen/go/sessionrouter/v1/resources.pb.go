@@ -1300,7 +1300,8 @@ func (x *StalenessPolicy) GetBatchSize() uint32 {
 
 // The trainer's version and staleness policy as the router holds them, with the admission
 // counters and any weight update in progress. All of it survives a router restart when the
-// router has a journal.
+// router has a journal. Sharded routers: any shard answers for the fleet (the version,
+// policy and weight update from the fleet's shared entry, as its watch last delivered).
 type TrainerState struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The trainer's current policy version; 0 until a trainer sets it.
@@ -1327,7 +1328,9 @@ type TrainerState struct {
 	// Workers in a weight update now.
 	WorkersUpdating uint32 `protobuf:"varint,9,opt,name=workers_updating,json=workersUpdating,proto3" json:"workers_updating,omitempty"`
 	// How many distinct known policy versions the healthy workers report (more than 1: a
-	// mixed-version fleet).
+	// mixed-version fleet). Sharded routers: both count the whole shared pool on every shard
+	// (as the answering shard's watch of it last delivered, milliseconds old), and so does
+	// the MIXED_VERSIONS refusal.
 	DistinctWorkerVersions uint32 `protobuf:"varint,10,opt,name=distinct_worker_versions,json=distinctWorkerVersions,proto3" json:"distinct_worker_versions,omitempty"`
 	unknownFields          protoimpl.UnknownFields
 	sizeCache              protoimpl.SizeCache

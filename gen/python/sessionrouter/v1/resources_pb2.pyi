@@ -816,7 +816,8 @@ Global___StalenessPolicy: _TypeAlias = StalenessPolicy  # noqa: Y015
 class TrainerState(_message.Message):
     """The trainer's version and staleness policy as the router holds them, with the admission
     counters and any weight update in progress. All of it survives a router restart when the
-    router has a journal.
+    router has a journal. Sharded routers: any shard answers for the fleet (the version,
+    policy and weight update from the fleet's shared entry, as its watch last delivered).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -858,7 +859,9 @@ class TrainerState(_message.Message):
     """Workers in a weight update now."""
     distinct_worker_versions: _builtins.int
     """How many distinct known policy versions the healthy workers report (more than 1: a
-    mixed-version fleet).
+    mixed-version fleet). Sharded routers: both count the whole shared pool on every shard
+    (as the answering shard's watch of it last delivered, milliseconds old), and so does
+    the MIXED_VERSIONS refusal.
     """
     @_builtins.property
     def policy(self) -> Global___StalenessPolicy:

@@ -242,6 +242,10 @@ class SessionRouter:
         self.foreign_handle: Callable[[int], RewardOutcome | None] | None = None
         """The same for a handle this router cannot resolve: WRONG_SHARD when it names
         another shard (sharded routers' handles carry their shard), None otherwise."""
+        self.worker_versions: Callable[[], int] = lambda: distinct_versions(self.workers)
+        """How many distinct known policy versions the healthy workers report, for the
+        MIXED_VERSIONS check and the trainer state (a shard counts the whole shared pool, not
+        only the workers it has a share of)."""
 
     # -- the router's life -----------------------------------------------------------------
 
@@ -296,7 +300,7 @@ class SessionRouter:
             groups_degenerate=self.finalizer.degenerate,
             feed_cursor=self.feed.last_cursor,
             workers_updating=sum(1 for w in workers if w.updating_to),
-            worker_versions_distinct=distinct_versions(workers),
+            worker_versions_distinct=self.worker_versions(),
             trainer_version=self.trainer.version,
             admission_in_flight=self.trainer.in_flight,
             admission_limit=self.trainer.limit,
@@ -542,7 +546,7 @@ class SessionRouter:
         self._check_fleet_update()
         self.trainer.check_admit(self.settings.retry_after_s)
         if self.trainer.refuse_mixed_versions:
-            versions = distinct_versions(self.workers)
+            versions = self.worker_versions()
             if versions > 1:
                 raise FailedPrecondition(
                     "MIXED_VERSIONS",

@@ -514,6 +514,21 @@ class PoolMirror:
             if worker.healthy and worker.worker_id in self.entries:
                 self.router.heartbeat(worker.worker_id)
 
+    def healthy(self, entry: WorkerEntry) -> bool:
+        """Whether the pool's worker counts as healthy here: as this shard's table says when
+        it has a share of it (kept healthy while NATS is down, ``hold_while_down``), else by
+        the age of the pool's last heartbeat (not aged while NATS is down either)."""
+        local = self.router.find_worker(entry.worker_id)
+        if local is not None:
+            return local.healthy
+        age_s = time.time() - entry.heartbeat
+        return not self.link.connected or age_s <= self.router.settings.heartbeat_timeout_s
+
+    def distinct_versions(self) -> int:
+        """How many distinct known policy versions the pool's healthy workers report: the
+        fleet's, whatever this shard's share of each worker (O(W))."""
+        return len({e.policy_version for e in self if e.policy_version and self.healthy(e)})
+
     def fleet_counters(self) -> tuple[int, int]:
         """(groups started, groups dropped) summed over shards in this shard's epoch: its
         own counted live, the others' as they last published them (at most LOAD_PUBLISH_S

@@ -65,6 +65,7 @@ class ShardRuntime:
         router.new_group_id = self.ownership.mint_group_id
         router.foreign_reward = self.ownership.foreign_reward
         router.foreign_handle = self.ownership.foreign_handle
+        router.worker_versions = self.pool.distinct_versions
         # Seqs in the shard's own range, so its session handles name it.
         offset = 0 if state_dir else memory_seq_offset()
         router.groups.number_within(shard_seq_floor(config.shard.index), SEQ_SPAN, offset)

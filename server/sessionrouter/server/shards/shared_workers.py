@@ -8,7 +8,6 @@ whole pool, with this shard's share and open sessions and the load summed over s
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 
 from sessionrouter.server import convert
@@ -31,7 +30,7 @@ class SharedWorkers:
         if local is not None:
             msg = convert.worker_to_proto(local)
         else:  # no share of it on this shard: described from the pool's record
-            alive = time.time() - entry.heartbeat <= self._router.settings.heartbeat_timeout_s
+            alive = self._pool.healthy(entry)
             msg = pb.Worker(
                 worker_id=entry.worker_id,
                 address=entry.address,

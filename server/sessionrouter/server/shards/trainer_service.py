@@ -39,7 +39,9 @@ class FleetSessionServicer(ShardedSessionServicer):
     def _trainer_state(self) -> pb.TrainerState:
         """The fleet's: ``groups_started``/``groups_dropped`` summed over the shards (this
         one live, the others as last published, ``PoolMirror.fleet_counters``), the weight
-        update of the fleet's entry, and the pool's workers in an update."""
+        update of the fleet's entry, and the pool's workers in an update; the distinct
+        worker versions are the pool's too (``PoolMirror.distinct_versions``, through the
+        router's ``worker_versions``)."""
         msg = convert.trainer_state_to_proto(self._router)
         msg.groups_started, msg.groups_dropped = self._pool.fleet_counters()
         state = self._fleet.state
