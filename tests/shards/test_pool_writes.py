@@ -1,15 +1,19 @@
 """Pool record writes are compare-and-set, on in-process shards over a real NATS: a shard
 whose view of a worker lags behind (its watch has not delivered the latest record yet) does
 not overwrite what another shard wrote; its write is recomputed from the current record. And
-a weight update that interrupts sessions marks them on every shard."""
+a weight update that interrupts sessions marks them on every shard, and one refused after it
+wrote some records leaves nothing behind."""
 
 from __future__ import annotations
+
+import grpc
+import pytest
 
 from sessionrouter.server.shards.pool import PoolMirror, WorkerEntry, worker_key
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import worker_service_pb2 as wpb
 from tests.shards.support import eventually, owned_group
-from tests.support import Harness
+from tests.support import Harness, details_of
 
 
 def mirror(h: Harness) -> PoolMirror:
@@ -90,3 +94,58 @@ async def test_interrupting_sessions_reaches_every_shard(shards: list[Harness]) 
         return True
 
     await eventually(marked)
+
+
+async def test_a_begin_that_loses_a_race_leaves_no_session_interrupted(
+    shards: list[Harness],
+) -> None:
+    """Shard 0 begins an interrupting update of [ra, rb] from a view that lags behind
+    (rb's update to 8, begun on shard 1, not seen yet): it writes ra, finds rb taken when it
+    writes it, puts ra back and is refused. Nothing of it stays: ra is not updating, and no
+    session on ra is marked interrupted, on any shard."""
+    s0, s1 = shards[0], shards[1]
+    for worker in ("ra", "rb"):
+        await s0.workers.RegisterWorker(
+            wpb.RegisterWorkerRequest(
+                worker_id=worker, address="10.0.0.7:1", capacity=30, labels={"w": worker}
+            )
+        )
+
+    async def seen() -> bool:
+        return all(w in mirror(h).entries for h in shards for w in ("ra", "rb"))
+
+    await eventually(seen)
+    names = []
+    for i, h in enumerate(shards):  # one open session on ra on each shard
+        request = spb.StartGroupRequest(task_id="t", group_id=owned_group(i, 3, "race"))
+        request.group_size = 1
+        request.group_options.selector["w"] = "ra"
+        started = await h.sessions.StartGroup(request)
+        names.append((h, started.group.members[0].name))
+    stale, stale_revision = mirror(s0).entries["rb"], mirror(s0).revisions["rb"]
+    await s1.workers.BeginWeightUpdate(wpb.BeginWeightUpdateRequest(version=8, worker_ids=["rb"]))
+
+    async def applied() -> bool:
+        return mirror(s0).entries["rb"].updating_to == 8
+
+    await eventually(applied)
+    mirror(s0).entries["rb"], mirror(s0).revisions["rb"] = stale, stale_revision
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await s0.workers.BeginWeightUpdate(
+            wpb.BeginWeightUpdateRequest(
+                version=7, worker_ids=["ra", "rb"], interrupt_sessions=True
+            )
+        )
+    assert details_of(caught.value).reason == "UPDATE_IN_PROGRESS"
+    put_back = await stored(s0, "ra")
+    assert (put_back.updating_to, put_back.interrupt) == (0, False)
+    latest = mirror(s0).revisions["ra"]
+
+    async def caught_up() -> bool:  # every shard applied the put-back record
+        return all(mirror(h).revisions.get("ra", 0) >= latest for h in shards)
+
+    await eventually(caught_up)
+    for h, name in names:
+        got = await h.sessions.GetSession(spb.GetSessionRequest(session=name))
+        assert not got.session.interrupted, name
+    assert (await stored(s0, "rb")).updating_to == 8  # the winner's update holds

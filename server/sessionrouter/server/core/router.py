@@ -463,18 +463,13 @@ class SessionRouter:
         self._update_progressed()
         return worker, self.weight_update is None
 
-    def follow_worker_update(
-        self, worker_id: str, updating_to: int, version: int, interrupt: bool
-    ) -> None:
+    def follow_worker_update(self, worker_id: str, updating_to: int, version: int) -> None:
         """Takes a worker's update state as decided elsewhere (a shard applying the shared
-        pool's record, checked where it was written): begins an update to ``updating_to``
-        (marking its open sessions interrupted when ``interrupt``), or with 0 ends it at
-        ``version``."""
+        pool's record, checked where it was written): begins an update to ``updating_to``,
+        or with 0 ends it at ``version``."""
         worker = self.workers.get(worker_id)
         if updating_to and worker.updating_to != updating_to:
             self.workers.begin_update(worker, updating_to)
-            if interrupt:
-                self._interrupt_sessions(worker)
         elif not updating_to and worker.updating_to:
             self.workers.complete_update(worker, max(version, worker.policy_version))
         else:
@@ -482,12 +477,20 @@ class SessionRouter:
         self._journal_worker(worker)
         self._update_progressed()
 
-    def _interrupt_sessions(self, worker: WorkerRecord) -> int:
+    def interrupt_open_sessions(self, worker_id: str) -> int:
+        """Marks the worker's open sessions interrupted, skipping those marked already, and
+        returns how many it marked: a shard calls it each time it applies a pool record
+        whose update asks for it, so it must be idempotent."""
+        return self._interrupt_sessions(self.workers.get(worker_id), skip_marked=True)
+
+    def _interrupt_sessions(self, worker: WorkerRecord, skip_marked: bool = False) -> int:
         count = 0
         for group_id, index in sorted(worker.open_sessions):
             group = self.groups.find(group_id)
             session = self.groups.find_session(group_id, index)
             if group is None or session is None or session.state is not SessionState.OPEN:
+                continue
+            if skip_marked and session.interrupted:
                 continue
             session.interrupted = True
             count += 1

@@ -12,10 +12,13 @@ written (``core.weight_updates``): the same codes, reasons and details. Each rec
 checks its worker again against the current record, so two shards beginning conflicting
 updates at once cannot both win; a loser puts back the workers it had already moved and gets
 the refusal (UPDATE_IN_PROGRESS), so nothing is left half-begun (when two cross, both can
-lose). Sessions a loser marked interrupted stay marked.
+lose).
 
-**Order.** Begin writes the workers' records first, then the marker: every shard stops placing
-on a worker as soon as its record arrives. Complete (or a heartbeat at the target, on any
+**Order.** Begin writes the workers' records first (``updating_to``), then, once it holds them
+all and only if asked, sets each one's ``interrupt`` (so a Begin that loses a race has marked
+no session interrupted anywhere: marks cannot be put back), then the marker. Every shard
+stops placing on a worker as soon as its record arrives, and marks its open sessions on it
+when ``interrupt`` arrives. Complete (or a heartbeat at the target, on any
 shard) clears a record; the marker is cleared by whichever shard then sees no worker of the
 pool updating (the writer at once, every shard within ``SETTLE_S``: a heartbeat, a
 deregistration or an expiry can end the last update anywhere). Records and marker come
@@ -47,7 +50,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from sessionrouter.server.core.errors import RouterError
+from sessionrouter.server.core.errors import NotFound, RouterError
 from sessionrouter.server.core.weight_updates import (
     WeightUpdate,
     check_can_update,
@@ -90,9 +93,7 @@ class FleetUpdates:
         try:
             for worker in chosen:
                 entry = await self.pool.write(
-                    worker.worker_id,
-                    _begun(worker.worker_id, version, interrupt),
-                    "a weight update",
+                    worker.worker_id, _begun(worker.worker_id, version), "a weight update"
                 )
                 if worker.updating_to != version:
                     moved.append(worker.worker_id)
@@ -100,9 +101,25 @@ class FleetUpdates:
         except RouterError:
             await self._put_back(moved, version)
             raise
+        if interrupt:
+            entries = [await self._interrupting(e, version) for e in entries]
         if entries:
             await self.fleet.mark_update(WeightUpdate(version, fleet_wide=not worker_ids))
         return entries, interrupted
+
+    async def _interrupting(self, entry: WorkerEntry, version: int) -> WorkerEntry:
+        """Asks every shard to mark the open sessions on a worker this Begin holds; a worker
+        whose update ended (or that left the pool) since is left as it is."""
+
+        def change(known: WorkerEntry | None) -> WorkerEntry | None:
+            if known is None or known.updating_to != version or known.interrupt:
+                return None
+            return replace(known, interrupt=True)
+
+        try:
+            return await self.pool.write(entry.worker_id, change, "a weight update")
+        except NotFound:  # deregistered since it was taken
+            return entry
 
     async def _put_back(self, worker_ids: list[str], version: int) -> None:
         """Undoes the records a refused Begin had already written."""
@@ -156,14 +173,15 @@ class FleetUpdates:
             await asyncio.sleep(SETTLE_S)
 
 
-def _begun(worker_id: str, version: int, interrupt: bool) -> Change:
-    """The record write of a Begin for one worker, checked again against its record."""
+def _begun(worker_id: str, version: int) -> Change:
+    """The record write of a Begin for one worker, checked again against its record (the
+    interrupt comes after, ``FleetUpdates._interrupting``)."""
 
     def change(known: WorkerEntry | None) -> WorkerEntry | None:
         current = PoolMirror.known(worker_id, known)
         check_can_update(current, version)
         if current.updating_to == version:
             return None
-        return replace(current, updating_to=version, interrupt=interrupt)
+        return replace(current, updating_to=version, interrupt=False)
 
     return change

@@ -113,8 +113,9 @@ class WorkerEntry:
     updating_to: int = 0
     """The target version of the worker's weight update (0: not updating)."""
     interrupt: bool = False
-    """The update asked for the worker's open sessions to be marked interrupted (each shard
-    marks its own when it sees the update begin)."""
+    """The update asks for the worker's open sessions to be marked interrupted: each shard
+    marks its own whenever it applies a record with this set while the worker is updating
+    (set only once every worker of a Begin is taken, ``shards.fleet_updates``)."""
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -394,9 +395,9 @@ class PoolMirror:
         if local.draining != entry.draining:
             router.drain_worker(entry.worker_id, resume=not entry.draining)
         if local.updating_to != entry.updating_to:
-            router.follow_worker_update(
-                entry.worker_id, entry.updating_to, entry.policy_version, entry.interrupt
-            )
+            router.follow_worker_update(entry.worker_id, entry.updating_to, entry.policy_version)
+        if entry.updating_to and entry.interrupt:
+            router.interrupt_open_sessions(entry.worker_id)
 
     def remove(self, worker_id: str) -> None:
         self.entries.pop(worker_id, None)
