@@ -103,6 +103,7 @@ class FleetState:
 
     @property
     def update(self) -> WeightUpdate | None:
+        """The weight update in progress as one router holds it (None: none)."""
         if not self.update_version:
             return None
         return WeightUpdate(self.update_version, self.update_fleet_wide)

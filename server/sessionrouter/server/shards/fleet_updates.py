@@ -76,7 +76,7 @@ class FleetUpdates:
 
     def updating(self) -> bool:
         """Whether any worker of the pool is in a weight update."""
-        return any(e.updating_to for e in self.pool.entries.values())
+        return self.pool.workers_updating() > 0
 
     async def begin(
         self, version: int, worker_ids: Sequence[str], interrupt: bool

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sessionrouter.server.config import WorkerSpec
-from sessionrouter.server.core.errors import NotFound, RouterError, Unavailable
+from sessionrouter.server.core.errors import NotFound, Unavailable
 from sessionrouter.server.core.router import SessionRouter
 from sessionrouter.server.core.validation import check_version
 from sessionrouter.server.core.workers import (
@@ -118,6 +118,7 @@ class WorkerEntry:
     (set only once every worker of a Begin is taken, ``shards.fleet_updates``)."""
 
     def encode(self) -> bytes:
+        """The record as the bucket stores it: UTF-8 JSON with sorted keys."""
         return json.dumps(
             {
                 "worker_id": self.worker_id,
@@ -135,6 +136,8 @@ class WorkerEntry:
 
     @classmethod
     def decode(cls, data: bytes) -> WorkerEntry | None:
+        """The record ``encode`` wrote (fields missing from an earlier release take their
+        defaults); None for a value that is not a worker record, which the mirror skips."""
         try:
             raw = json.loads(data)
             return cls(
@@ -192,6 +195,8 @@ def _static_beat(spec: WorkerSpec) -> Change:
 
 
 def nats_unavailable(what: str) -> Unavailable:
+    """The refusal of a call that must reach the other shards (``what`` names it) while NATS
+    is unreachable: UNAVAILABLE ``NATS_UNAVAILABLE``, worth a retry after 1 s."""
     return Unavailable(
         "NATS_UNAVAILABLE",
         f"NATS is unreachable, so {what} cannot reach the other shards; retry",
@@ -224,6 +229,7 @@ class PoolMirror:
     # -- what the RPCs do --------------------------------------------------------------
 
     def get(self, worker_id: str) -> WorkerEntry:
+        """The pool's record of the worker, or NotFound ``WORKER_NOT_FOUND``."""
         return self.known(worker_id, self.entries.get(worker_id))
 
     @staticmethod
@@ -299,10 +305,9 @@ class PoolMirror:
         entry = self.known(worker_id, known)
         if not self.link.connected:
             raise nats_unavailable("a deregistration")
+        kv = self._kv()
         try:
-            await self._kv().delete(worker_key(worker_id))
-        except RouterError:
-            raise
+            await kv.delete(worker_key(worker_id))
         except Exception:
             raise nats_unavailable("a deregistration") from None
         # Our own watch may have removed it meanwhile: then it lost what it held before.
@@ -400,6 +405,7 @@ class PoolMirror:
             router.interrupt_open_sessions(entry.worker_id)
 
     def remove(self, worker_id: str) -> None:
+        """Forgets a worker gone from the pool (deleted or expired), here and in the router."""
         self.entries.pop(worker_id, None)
         self.revisions.pop(worker_id, None)
         if self.router.find_worker(worker_id) is not None:
@@ -542,15 +548,17 @@ class PoolMirror:
                 dropped += d
         return started, dropped
 
-    def others_open(self, worker_id: str) -> int:
-        """Open sessions on the worker on the other shards, as they last published them."""
-        return sum(
+    def cluster_open(self, worker_id: str) -> int:
+        """Open sessions on the worker summed over shards: this one's counted live, the
+        others' as they last published them (at most LOAD_PUBLISH_S plus a watch delay old)."""
+        local = self.router.find_worker(worker_id)
+        here = len(local.open_sessions) if local is not None else 0
+        return here + sum(
             load.get(worker_id, 0)
             for index, load in self.loads.items()
             if index != self.shard.index
         )
 
-    def cluster_open(self, worker_id: str) -> int:
-        """Open sessions on the worker summed over shards (this one's counted live)."""
-        local = self.router.find_worker(worker_id)
-        return (len(local.open_sessions) if local is not None else 0) + self.others_open(worker_id)
+    def workers_updating(self) -> int:
+        """Workers of the pool in a weight update (``WorkerEntry.updating_to`` set)."""
+        return sum(1 for e in self.entries.values() if e.updating_to)

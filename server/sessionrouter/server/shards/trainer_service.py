@@ -48,5 +48,5 @@ class FleetSessionServicer(ShardedSessionServicer):
         if state is not None:
             msg.weight_update_version = state.update_version
             msg.weight_update_fleet_wide = state.update_fleet_wide
-        msg.workers_updating = sum(1 for e in self._pool.entries.values() if e.updating_to)
+        msg.workers_updating = self._pool.workers_updating()
         return msg
