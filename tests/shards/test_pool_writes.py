@@ -6,6 +6,8 @@ wrote some records leaves nothing behind."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 import pytest
 
@@ -29,6 +31,30 @@ async def stored(h: Harness, worker_id: str) -> WorkerEntry:
     return entry
 
 
+async def begin_behind(
+    lagging: Harness, writer: Harness, worker_id: str, version: int
+) -> Callable[[], None]:
+    """Begins an update of the worker to ``version`` on ``writer`` and, once ``lagging``'s
+    watch applied it, puts ``lagging``'s view of the worker back as it was before, as if its
+    watch lagged behind; returns what puts that stale view back again."""
+    pool = mirror(lagging)
+    stale, stale_revision = pool.entries[worker_id], pool.revisions[worker_id]
+
+    def lag() -> None:
+        pool.entries[worker_id], pool.revisions[worker_id] = stale, stale_revision
+
+    await writer.workers.BeginWeightUpdate(
+        wpb.BeginWeightUpdateRequest(version=version, worker_ids=[worker_id])
+    )
+
+    async def applied() -> bool:
+        return pool.entries[worker_id].updating_to == version
+
+    await eventually(applied)
+    lag()
+    return lag
+
+
 async def test_a_heartbeat_from_a_lagging_shard_keeps_an_update_begun_elsewhere(
     shards: list[Harness],
 ) -> None:
@@ -41,21 +67,14 @@ async def test_a_heartbeat_from_a_lagging_shard_keeps_an_update_begun_elsewhere(
         return "lag" in mirror(s1).entries
 
     await eventually(seen)
-    stale, stale_revision = mirror(s1).entries["lag"], mirror(s1).revisions["lag"]
-    await s0.workers.BeginWeightUpdate(wpb.BeginWeightUpdateRequest(version=2, worker_ids=["lag"]))
-
-    async def applied() -> bool:
-        return mirror(s1).entries["lag"].updating_to == 2
-
-    await eventually(applied)
     # Shard 1's view as it was before the update: as if its watch lagged behind.
-    mirror(s1).entries["lag"], mirror(s1).revisions["lag"] = stale, stale_revision
+    lag = await begin_behind(s1, s0, "lag", 2)
     reply = await s1.workers.Heartbeat(wpb.HeartbeatRequest(worker_id="lag"))
     assert reply.worker.updating_to_version == 2
     assert (await stored(s1, "lag")).updating_to == 2  # a blind put would have cleared it
     assert mirror(s1).entries["lag"].updating_to == 2
     # A heartbeat at the target ends it, from the lagging view too.
-    mirror(s1).entries["lag"], mirror(s1).revisions["lag"] = stale, stale_revision
+    lag()
     await s1.workers.Heartbeat(wpb.HeartbeatRequest(worker_id="lag", policy_version=2))
     ended = await stored(s1, "lag")
     assert (ended.updating_to, ended.policy_version) == (0, 2)
@@ -122,14 +141,7 @@ async def test_a_begin_that_loses_a_race_leaves_no_session_interrupted(
         request.group_options.selector["w"] = "ra"
         started = await h.sessions.StartGroup(request)
         names.append((h, started.group.members[0].name))
-    stale, stale_revision = mirror(s0).entries["rb"], mirror(s0).revisions["rb"]
-    await s1.workers.BeginWeightUpdate(wpb.BeginWeightUpdateRequest(version=8, worker_ids=["rb"]))
-
-    async def applied() -> bool:
-        return mirror(s0).entries["rb"].updating_to == 8
-
-    await eventually(applied)
-    mirror(s0).entries["rb"], mirror(s0).revisions["rb"] = stale, stale_revision
+    await begin_behind(s0, s1, "rb", 8)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await s0.workers.BeginWeightUpdate(
             wpb.BeginWeightUpdateRequest(
