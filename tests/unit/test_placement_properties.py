@@ -27,7 +27,7 @@ from sessionrouter.server.core.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from sessionrouter.server.core.groups import GroupState, SessionState
+from sessionrouter.server.core.groups import GroupState, SessionRecord, SessionState
 from sessionrouter.server.core.placement import PlacementMode, pack_cap
 from sessionrouter.server.core.router import (
     OptionsSpec,
@@ -237,15 +237,13 @@ class PlacementMachine(RuleBasedStateMachine):
 
     @invariant()
     def worker_load_matches_open_sessions(self) -> None:
-        expected: dict[str, set[tuple[str, int]]] = {
-            w.worker_id: set() for w in self.router.workers
-        }
+        expected: dict[str, set[SessionRecord]] = {w.worker_id: set() for w in self.router.workers}
         for group in self.router.groups:
             if group.state is not GroupState.OPEN:
                 continue
             for s in group.members:
                 if s.state is SessionState.OPEN and s.worker_id in expected:
-                    expected[s.worker_id].add(s.key)
+                    expected[s.worker_id].add(s)
         for worker in self.router.workers:
             assert worker.open_sessions == expected[worker.worker_id]
             assert len(worker.open_sessions) <= worker.capacity

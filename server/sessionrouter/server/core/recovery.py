@@ -166,5 +166,5 @@ def _restored_group(row: GroupRow, workers: WorkerRegistry, now: float, wall: fl
         else:
             worker = workers.find(session.worker_id)
             if worker is not None:
-                workers.add_session(worker, session.key)
+                workers.add_session(worker, session)
     return group

@@ -485,7 +485,7 @@ class SessionRouter:
 
     def _interrupt_sessions(self, worker: WorkerRecord, skip_marked: bool = False) -> int:
         count = 0
-        for group_id, index in sorted(worker.open_sessions):
+        for group_id, index in sorted(s.key for s in worker.open_sessions):
             group = self.groups.find(group_id)
             session = self.groups.find_session(group_id, index)
             if group is None or session is None or session.state is not SessionState.OPEN:
@@ -790,7 +790,7 @@ class SessionRouter:
     def _forget_empty_group(self, group: GroupRecord) -> None:
         """Undoes the placements of a group that could not be completed (all or none)."""
         for session in group.members:
-            self.workers.release_session(session.worker_id, session.key)
+            self.workers.release_session(session.worker_id, session)
         group.members.clear()
 
     def _place_member(
@@ -830,7 +830,7 @@ class SessionRouter:
         group.members_per_worker[worker.worker_id] = (
             group.members_per_worker.get(worker.worker_id, 0) + 1
         )
-        self.workers.add_session(worker, session.key)
+        self.workers.add_session(worker, session)
         if choice.shared:
             self.stats.sessions_shared += 1
         else:
@@ -861,7 +861,7 @@ class SessionRouter:
         if old.state is SessionState.OPEN:
             old.state = SessionState.ABORTED
             group.aborted += 1
-            self.workers.release_session(old.worker_id, old.key)
+            self.workers.release_session(old.worker_id, old)
             if self.journal is not None:
                 self.journal.append(SessionAborted(group.seq, old.index))
         if self.journal is not None:
@@ -918,7 +918,7 @@ class SessionRouter:
         group.aborted += 1
         if self.journal is not None:
             self.journal.append(SessionAborted(group.seq, session.index))
-        self.workers.release_session(session.worker_id, session.key)
+        self.workers.release_session(session.worker_id, session)
         log.info(
             "session aborted", extra={"event": "session_aborted", "session": name, "reason": reason}
         )
@@ -981,7 +981,7 @@ class SessionRouter:
         journal = self.journal
         record_rewards = self.groups.record_rewards
         with_metrics = metrics is not None
-        freed: dict[str, list[tuple[str, int]]] = {}
+        freed: dict[str, list[SessionRecord]] = {}
         completed: list[GroupRecord] = []
         """Groups this request completed (every member rewarded, none replaced), handed to
         the finalizer together, in finish order (before any other group finishes)."""
@@ -1056,7 +1056,7 @@ class SessionRouter:
                 worker = freed.get(session.worker_id)
                 if worker is None:
                     worker = freed[session.worker_id] = []
-                worker.append(session.key)
+                worker.append(session)
                 if lost and group.stranded:
                     record_rewards(group, rewarded, with_metrics)
                     rewarded = []
@@ -1212,7 +1212,7 @@ class SessionRouter:
             GroupState.DROPPED if outcome is GroupOutcome.DROPPED else GroupState.FINALIZED
         )
         for session in excluded:
-            self.workers.release_session(session.worker_id, session.key)
+            self.workers.release_session(session.worker_id, session)
         self.groups.mark_finished(group)
         self.stats.groups_finished[outcome] += 1
         now = self.clock.wall()

@@ -25,7 +25,7 @@ gets no new session in any of them.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Container, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -53,7 +53,18 @@ MAX_POOLS = 64
 """Distinct selectors whose pools are kept (the all-workers pool is always kept)."""
 
 SessionKey = tuple[str, int]
-"""(group_id, index): how the registry refers to a session placed on a worker."""
+"""(group_id, index): how a session placed on a worker is named (logs, lookups, order)."""
+
+
+class PlacedSession(Protocol):
+    """A session the registry counts on a worker: its record itself, hashed by identity.
+
+    The registry holds the records rather than their ``(group_id, index)`` keys because
+    hashing an object by identity costs under a third of hashing a key tuple (CPython does not
+    cache a tuple's hash), and a reward stream frees thousands of slots per second."""
+
+    @property
+    def key(self) -> SessionKey: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -70,7 +81,7 @@ class WorkerRecord:
     """Monotonic seconds of the last heartbeat or registration."""
     last_heartbeat_wall: float = 0.0
     """The same moment as Unix seconds, for display."""
-    open_sessions: set[SessionKey] = field(default_factory=set)
+    open_sessions: set[PlacedSession] = field(default_factory=set)
     version: int = 0
     """Change counter of the least-loaded index (not the policy version)."""
     policy_version: int = 0
@@ -355,7 +366,7 @@ class WorkerRegistry:
                     pool.eligible_count -= 1
                     pool.eligible_capacity -= worker.capacity
         del self._workers[worker_id]
-        lost = set(worker.open_sessions)
+        lost = {s.key for s in worker.open_sessions}
         if lost and self.on_worker_lost is not None:
             self.on_worker_lost(worker, lost)
         worker.version += 1
@@ -378,32 +389,32 @@ class WorkerRegistry:
         # Only once all are marked: a replacement never goes to a worker expiring now.
         for worker in expired:
             if worker.open_sessions and self.on_worker_lost is not None:
-                self.on_worker_lost(worker, set(worker.open_sessions))
+                self.on_worker_lost(worker, {s.key for s in worker.open_sessions})
         for worker in self._workers.values():
             if worker.awaiting_heartbeat and now - worker.last_heartbeat > self.heartbeat_timeout_s:
                 worker.awaiting_heartbeat = False
                 if worker.open_sessions and self.on_worker_lost is not None:
-                    self.on_worker_lost(worker, set(worker.open_sessions))
+                    self.on_worker_lost(worker, {s.key for s in worker.open_sessions})
         return expired
 
-    def add_session(self, worker: WorkerRecord, key: SessionKey) -> None:
+    def add_session(self, worker: WorkerRecord, session: PlacedSession) -> None:
         """Counts a session placed on ``worker``."""
         was_eligible = worker.eligible
-        worker.open_sessions.add(key)
+        worker.open_sessions.add(session)
         self._changed(worker, was_eligible)
 
-    def release_session(self, worker_id: str, key: SessionKey) -> None:
+    def release_session(self, worker_id: str, session: PlacedSession) -> None:
         """Frees the slot of a session that ended (rewarded, aborted, group closed).
 
         A worker that was deregistered meanwhile is simply gone: nothing to free."""
         worker = self._workers.get(worker_id)
         if worker is None:
             return
-        sessions = worker.open_sessions
-        if key not in sessions:
+        held = worker.open_sessions
+        if session not in held:
             return
-        was_full = len(sessions) >= worker.capacity
-        sessions.discard(key)
+        was_full = len(held) >= worker.capacity
+        held.discard(session)
         if was_full and worker.healthy and not worker.draining and not worker.updating_to:
             self._changed(worker, False)  # eligible again: the counts change now
         else:
@@ -412,16 +423,16 @@ class WorkerRegistry:
             # once per released slot (a reward stream releases thousands per second).
             self._stale.add(worker)
 
-    def release_sessions(self, worker_id: str, keys: list[SessionKey]) -> None:
+    def release_sessions(self, worker_id: str, sessions: Iterable[PlacedSession]) -> None:
         """``release_session`` for many sessions of one worker (the rewards of one request
         placed there): one set operation and one eligibility test for all of them."""
         worker = self._workers.get(worker_id)
         if worker is None:
             return
-        sessions = worker.open_sessions
-        before = len(sessions)
-        sessions.difference_update(keys)
-        if len(sessions) == before:
+        held = worker.open_sessions
+        before = len(held)
+        held.difference_update(sessions)
+        if len(held) == before:
             return
         was_full = before >= worker.capacity
         if was_full and worker.healthy and not worker.draining and not worker.updating_to:
