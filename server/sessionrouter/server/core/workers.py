@@ -148,6 +148,16 @@ class WorkerPool:
     last_use: int = 0
 
 
+def page_of_ids(ids: Iterable[str], page_size: int, after: str) -> tuple[list[str], str]:
+    """ListWorkers' paging over worker ids, for the router's registry and a shard's pool alike:
+    up to ``page_size`` ids in order after ``after``, and the last one given when more follow
+    ("" at the end)."""
+    following = sorted(w for w in ids if w > after)
+    chosen = following[:page_size]
+    more = len(following) > page_size
+    return chosen, (chosen[-1] if more and chosen else "")
+
+
 class WorkerRegistry:
     """Registered workers, their health, drain state and open sessions."""
 
@@ -186,10 +196,8 @@ class WorkerRegistry:
 
     def page(self, page_size: int, after: str) -> tuple[list[WorkerRecord], str]:
         """Workers ordered by id, starting after ``after``; returns (page, last id or "")."""
-        ids = sorted(w for w in self._workers if w > after)
-        chosen = ids[:page_size]
-        more = len(ids) > page_size
-        return [self._workers[w] for w in chosen], (chosen[-1] if more and chosen else "")
+        chosen, last = page_of_ids(self._workers, page_size, after)
+        return [self._workers[w] for w in chosen], last
 
     @property
     def eligible_count(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from sessionrouter.server import convert
+from sessionrouter.server.core.workers import page_of_ids
 from sessionrouter.server.shards.fleet_updates import FleetUpdates
 from sessionrouter.server.shards.pool import PoolMirror, WorkerEntry, share
 from sessionrouter.v1 import resources_pb2 as pb
@@ -74,9 +75,7 @@ class SharedWorkers:
         return self.describe(self._pool.get(worker_id))
 
     def page(self, limit: int, after: str) -> tuple[list[pb.Worker], str]:
-        ids = sorted(w for w in self._pool.entries if w > after)
-        chosen = ids[:limit]
-        last = chosen[-1] if len(ids) > limit and chosen else ""
+        chosen, last = page_of_ids(self._pool.entries, limit, after)
         return [self.describe(self._pool.entries[w]) for w in chosen], last
 
     async def begin_update(
