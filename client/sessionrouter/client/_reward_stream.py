@@ -10,9 +10,9 @@ not the other is a type error instead of a silently inherited wrong answer.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from types import TracebackType
-from typing import Protocol, Self, runtime_checkable
+from typing import Protocol, Self, TypeVar, runtime_checkable
 
 import numpy.typing as npt
 
@@ -22,6 +22,21 @@ __all__ = ["RewardEntryTuple", "RewardStream"]
 
 RewardEntryTuple = tuple[str, float] | tuple[str, float, float | None]
 """``(session, reward)`` or ``(session, reward, filter_metric)``."""
+
+T = TypeVar("T")
+
+
+async def all_settled(awaitables: Iterable[Awaitable[T]]) -> list[T]:
+    """Their results in order, once every one has ended; then the first failure in order is
+    raised. Unlike a plain ``gather``, a failure does not leave the others running unawaited
+    (a batch split over entries or shards is answered for every part the router took)."""
+    outcomes = await asyncio.gather(*awaitables, return_exceptions=True)
+    results: list[T] = []
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+        results.append(outcome)
+    return results
 
 
 @runtime_checkable

@@ -43,6 +43,7 @@ from sessionrouter.client._errors import (
     map_rpc_errors,
 )
 from sessionrouter.client._retry import Retrier
+from sessionrouter.client._reward_stream import all_settled
 from sessionrouter.client.types import (
     GroupResult,
     Replacement,
@@ -227,14 +228,7 @@ class RouterRewardStream:
 
         Each entry is ``(session, reward)`` or ``(session, reward, filter_metric)``.
         """
-        futures = [self._enqueue_nowait(_entry_of(e)) for e in rewards]
-        outcomes = await asyncio.gather(*futures, return_exceptions=True)
-        results: list[RewardResult] = []
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
-            results.append(outcome)
-        return results
+        return await all_settled([self._enqueue_nowait(_entry_of(e)) for e in rewards])
 
     async def submit_arrays(
         self,

@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from sessionrouter.client._errors import SessionRouterError, StreamClosedError
-from sessionrouter.client._reward_stream import RewardEntryTuple, RewardStream
+from sessionrouter.client._reward_stream import RewardEntryTuple, RewardStream, all_settled
 from sessionrouter.client._shards import ShardRouting, group_of_session
 from sessionrouter.client.shardmap import HANDLE_SHARD_MASK, HANDLE_SHARD_SHIFT
 from sessionrouter.client.types import (
@@ -307,12 +307,7 @@ class ShardedRewardStream:
             )
         # Every shard's part runs to its end before a failure is raised (as in ``submit_many``),
         # so what the live shards were given is acknowledged, not cut off by the close.
-        outcomes = await asyncio.gather(*calls, return_exceptions=True)
-        acks: list[RewardAckBatch] = []
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
-            acks.append(outcome)
+        acks = await all_settled(calls)
         statuses = np.empty(n, dtype=np.uint8)
         detail_entries: list[npt.NDArray[np.int64]] = []
         details: list[str] = []
