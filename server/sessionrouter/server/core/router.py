@@ -1181,17 +1181,7 @@ class SessionRouter:
         self.finalizer.submit_complete(groups, origin, now, self.trainer.version)
         if log.isEnabledFor(logging.DEBUG):
             for group in groups:
-                log.debug(
-                    "group %s",
-                    complete.value,
-                    extra={
-                        "event": "group_finished",
-                        "group_id": group.group_id,
-                        "outcome": complete.value,
-                        "rewarded": group.size,
-                        "group_size": group.size,
-                    },
-                )
+                _log_finished(logging.DEBUG, group, complete, group.size)
 
     def _finish(self, group: GroupRecord, origin: StreamOrigin | None) -> None:
         members = group.members
@@ -1228,18 +1218,7 @@ class SessionRouter:
         # partial or dropped (deadline, aborts, lost workers) at info.
         level = logging.DEBUG if outcome is GroupOutcome.COMPLETE else logging.INFO
         if log.isEnabledFor(level):  # the extra dict is not built for nothing
-            log.log(
-                level,
-                "group %s",
-                outcome.value,
-                extra={
-                    "event": "group_finished",
-                    "group_id": group.group_id,
-                    "outcome": outcome.value,
-                    "rewarded": len(counted),
-                    "group_size": group.size,
-                },
-            )
+            _log_finished(level, group, outcome, len(counted))
 
     # -- recovery --------------------------------------------------------------------------
 
@@ -1285,3 +1264,20 @@ class SessionRouter:
 
 def _random_group_id() -> str:
     return uuid.uuid4().hex
+
+
+def _log_finished(level: int, group: GroupRecord, outcome: GroupOutcome, rewarded: int) -> None:
+    """The ``group_finished`` event of one group (callers check ``isEnabledFor`` first, so
+    nothing is built at a level that is off)."""
+    log.log(
+        level,
+        "group %s",
+        outcome.value,
+        extra={
+            "event": "group_finished",
+            "group_id": group.group_id,
+            "outcome": outcome.value,
+            "rewarded": rewarded,
+            "group_size": group.size,
+        },
+    )
