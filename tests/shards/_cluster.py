@@ -10,6 +10,7 @@ and the upstream it chose.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import random
@@ -22,6 +23,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from sessionrouter.client import GroupResult, SessionRouterClient
 from sessionrouter.client.nginx_shard_map import full_config
 from tests.integration.processes import nginx_binary
 
@@ -300,3 +302,19 @@ def running(cluster: Cluster) -> Iterator[Cluster]:
     finally:
         cluster.stop()
         print(cluster.logs())
+
+
+async def read_feed(
+    client: SessionRouterClient, want: set[str], seconds: float = 20
+) -> list[GroupResult]:
+    """The merged feed from its start until every group of ``want`` came."""
+    seen: list[GroupResult] = []
+    missing = set(want)
+    feed = client.subscribe_groups(after_cursor=0)
+    async with asyncio.timeout(seconds), contextlib.aclosing(feed):
+        async for group in feed:
+            seen.append(group)
+            missing.discard(group.group_id)
+            if not missing:
+                break
+    return seen

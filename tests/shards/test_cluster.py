@@ -33,7 +33,7 @@ from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
 from tests.support import details_of
 
-from ._cluster import Cluster, running
+from ._cluster import Cluster, read_feed, running
 
 N = 3
 ONE_TRY = RetryPolicy(max_attempts=1)
@@ -193,22 +193,6 @@ async def complete(client: SessionRouterClient, group: str) -> GroupResult:
         return float(session.index)
 
     return await client.run_group("t", 2, rollout, group_id=group)
-
-
-async def read_feed(
-    client: SessionRouterClient, want: set[str], seconds: float = 20
-) -> list[GroupResult]:
-    """The merged feed from its start until every group of ``want`` came."""
-    seen: list[GroupResult] = []
-    missing = set(want)
-    feed = client.subscribe_groups(after_cursor=0)
-    async with asyncio.timeout(seconds), contextlib.aclosing(feed):
-        async for group in feed:
-            seen.append(group)
-            missing.discard(group.group_id)
-            if not missing:
-                break
-    return seen
 
 
 async def test_the_feed_is_one_sequence_of_every_group(

@@ -34,7 +34,7 @@ from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import session_service_pb2_grpc as spb_grpc
 from tests.support import details_of
 
-from ._cluster import Cluster, running
+from ._cluster import Cluster, read_feed, running
 
 N = 3
 ONE_TRY = RetryPolicy(max_attempts=1)
@@ -95,22 +95,6 @@ async def produce(
                 load.acked[name] = reward
         if all(r.ok for r in done.results):
             load.completed[group] = time.monotonic()
-
-
-async def feed_until(
-    client: SessionRouterClient, want: set[str], seconds: float
-) -> list[GroupResult]:
-    """The merged feed from its start until every group of ``want`` came."""
-    seen: list[GroupResult] = []
-    missing = set(want)
-    feed = client.subscribe_groups(after_cursor=0)
-    async with asyncio.timeout(seconds), contextlib.aclosing(feed):
-        async for group in feed:
-            seen.append(group)
-            missing.discard(group.group_id)
-            if not missing:
-                break
-    return seen
 
 
 def assert_one_gapless_sequence(feed: list[GroupResult], want: set[str]) -> None:
@@ -180,7 +164,7 @@ async def test_kill9_of_a_shard_under_load(cluster: Cluster) -> None:
             assert {g for g in held if g in set(load.started)} == {
                 g for g in load.started if shard_of(g, N) == i
             }
-        feed = await feed_until(client, set(load.completed), seconds=30)
+        feed = await read_feed(client, set(load.completed), seconds=30)
     assert_one_gapless_sequence(feed, set(load.completed))
 
 
