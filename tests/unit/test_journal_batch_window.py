@@ -1,0 +1,147 @@
+"""The journal's batch window: while the loop is busy, callers that come during another
+batch's fsync wait a little for more callers and share one batch; an idle journal, or a loop
+that is not busy, starts every batch at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from sessionrouter.server.core.errors import Unavailable
+from sessionrouter.server.core.events import WorkerSaved
+from sessionrouter.server.journal import SqliteJournal
+from sessionrouter.server.journal import writer as writer_module
+from tests.support import TablesOpener
+
+WINDOW_S = 0.5
+"""Long against an fsync on a test machine, so what waits for it is plain to see."""
+
+
+def _event(i: int) -> WorkerSaved:
+    return WorkerSaved(f"w{i}", "a:1", 1, {}, False, 0.0)
+
+
+def _burn_loop(seconds: float) -> None:
+    """Keeps the loop thread on the CPU, as a loop serving many calls is."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _journal(tmp_path: Path) -> tuple[SqliteJournal, TablesOpener]:
+    opener = TablesOpener()
+    return SqliteJournal(tmp_path, open_tables=opener, batch_window_s=WINDOW_S), opener
+
+
+async def _commit(journal: SqliteJournal, i: int) -> asyncio.Future[None]:
+    journal.append(_event(i))
+    return asyncio.ensure_future(journal.commit())
+
+
+async def test_callers_that_came_during_a_busy_fsync_share_one_batch_after_the_window(
+    tmp_path: Path,
+) -> None:
+    journal, opener = _journal(tmp_path)
+    journal.start()
+    opener.opened.gate.clear()  # the first batch waits before its fsync
+    first = await _commit(journal, 0)
+    await asyncio.sleep(0)
+    _burn_loop(2 * writer_module.BUSY_SAMPLE_S)
+    waiting = [await _commit(journal, i) for i in (1, 2)]
+    opener.opened.gate.set()
+    await asyncio.wait_for(first, 5)
+    assert journal.busy and journal.batches == 1
+    await asyncio.sleep(WINDOW_S / 5)
+    late = await _commit(journal, 3)  # joins the waiting batch
+    assert not any(w.done() for w in waiting), "a busy loop started the batch before its window"
+    await asyncio.wait_for(asyncio.gather(*waiting, late), 5)
+    assert journal.batches == 2, "the callers of one window share one batch"
+    await journal.close()
+    reopened = SqliteJournal(tmp_path)
+    assert len(reopened.load().workers) == 4
+    reopened.close_now()
+
+
+async def test_a_commit_to_an_idle_journal_starts_at_once_even_on_a_busy_loop(
+    tmp_path: Path,
+) -> None:
+    journal, _ = _journal(tmp_path)
+    journal.start()
+    _burn_loop(2 * writer_module.BUSY_SAMPLE_S)
+    await asyncio.wait_for(await _commit(journal, 0), 5)
+    assert journal.busy
+    started = time.perf_counter()
+    await asyncio.wait_for(await _commit(journal, 1), 5)
+    assert time.perf_counter() - started < WINDOW_S / 2
+    await journal.close()
+
+
+async def test_a_loop_that_is_not_busy_starts_the_next_batch_at_once(tmp_path: Path) -> None:
+    journal, opener = _journal(tmp_path)
+    journal.start()
+    opener.opened.gate.clear()
+    first = await _commit(journal, 0)
+    await asyncio.sleep(2 * writer_module.BUSY_SAMPLE_S)  # idle: not busy
+    second = await _commit(journal, 1)
+    opener.opened.gate.set()
+    await asyncio.wait_for(first, 5)
+    started = time.perf_counter()
+    await asyncio.wait_for(second, 5)
+    assert not journal.busy
+    assert time.perf_counter() - started < WINDOW_S / 2
+    assert journal.batches == 2
+    await journal.close()
+
+
+async def test_a_full_batch_does_not_wait_for_its_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writer_module, "BATCH_MAX_EVENTS", 3)
+    journal, opener = _journal(tmp_path)
+    journal.start()
+    opener.opened.gate.clear()
+    first = await _commit(journal, 0)
+    await asyncio.sleep(0)
+    _burn_loop(2 * writer_module.BUSY_SAMPLE_S)
+    waiting = [await _commit(journal, 1)]
+    opener.opened.gate.set()
+    await asyncio.wait_for(first, 5)
+    started = time.perf_counter()
+    waiting += [await _commit(journal, i) for i in (2, 3)]  # the third event fills it
+    await asyncio.wait_for(asyncio.gather(*waiting), 5)
+    assert time.perf_counter() - started < WINDOW_S / 2
+    assert journal.batches == 2
+    await journal.close()
+
+
+async def test_a_failed_fsync_fails_every_caller_of_a_windowed_batch_alike(
+    tmp_path: Path,
+) -> None:
+    journal, opener = _journal(tmp_path)
+    failures: list[BaseException] = []
+    journal.on_failure.append(failures.append)
+    journal.start()
+    opener.opened.gate.clear()
+    first = await _commit(journal, 0)
+    await asyncio.sleep(0)
+    _burn_loop(2 * writer_module.BUSY_SAMPLE_S)
+    waiting = [await _commit(journal, i) for i in (1, 2, 3)]
+    opener.opened.gate.set()
+    await asyncio.wait_for(first, 5)
+    assert journal.busy
+    opener.opened.sync_failure = OSError(5, "Input/output error")
+    outcomes = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), 5)
+    assert all(isinstance(o, Unavailable) for o in outcomes), outcomes
+    statuses = {(o.reason, o.message) for o in outcomes if isinstance(o, Unavailable)}
+    assert len(statuses) == 1 and next(iter(statuses))[0] == "JOURNAL_FAILED"
+    assert "Input/output error" in next(iter(statuses))[1]
+    assert journal.failed and len(failures) == 1 and journal.batches == 1
+    await journal.close()
+
+
+def test_a_negative_window_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="batch_window_s"):
+        SqliteJournal(tmp_path, batch_window_s=-1.0)
