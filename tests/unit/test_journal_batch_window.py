@@ -1,6 +1,7 @@
 """The journal's batch window: while the loop is busy, callers that come during another
-batch's fsync wait a little for more callers and share one batch; an idle journal, or a loop
-that is not busy, starts every batch at once."""
+batch's fsync wait a little for more callers and share one batch (until the window ends,
+nobody joined for a moment, or the batch is full); an idle journal, or a loop that is not
+busy, starts every batch at once."""
 
 from __future__ import annotations
 
@@ -18,6 +19,13 @@ from tests.support import TablesOpener
 
 WINDOW_S = 0.5
 """Long against an fsync on a test machine, so what waits for it is plain to see."""
+
+
+@pytest.fixture(autouse=True)
+def _busy_is_easy_to_reach(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop kept on the CPU by ``_burn_loop`` counts as busy even on a machine so loaded
+    that the thread gets a core for only part of the time."""
+    monkeypatch.setattr(writer_module, "BUSY_SHARE", 0.05)
 
 
 def _event(i: int) -> WorkerSaved:
@@ -42,8 +50,9 @@ async def _commit(journal: SqliteJournal, i: int) -> asyncio.Future[None]:
 
 
 async def test_callers_that_came_during_a_busy_fsync_share_one_batch_after_the_window(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(writer_module, "BATCH_QUIET_S", WINDOW_S)  # only the window ends it
     journal, opener = _journal(tmp_path)
     journal.start()
     opener.opened.gate.clear()  # the first batch waits before its fsync
@@ -63,6 +72,27 @@ async def test_callers_that_came_during_a_busy_fsync_share_one_batch_after_the_w
     reopened = SqliteJournal(tmp_path)
     assert len(reopened.load().workers) == 4
     reopened.close_now()
+
+
+async def test_a_batch_nobody_joins_starts_after_the_quiet_time_not_the_window(
+    tmp_path: Path,
+) -> None:
+    journal, opener = _journal(tmp_path)
+    journal.start()
+    opener.opened.gate.clear()
+    first = await _commit(journal, 0)
+    await asyncio.sleep(0)
+    _burn_loop(2 * writer_module.BUSY_SAMPLE_S)
+    waiting = await _commit(journal, 1)
+    opener.opened.gate.set()
+    await asyncio.wait_for(first, 5)
+    assert journal.busy
+    started = time.perf_counter()
+    await asyncio.wait_for(waiting, 5)
+    assert writer_module.BATCH_QUIET_S < WINDOW_S / 10
+    assert time.perf_counter() - started < WINDOW_S / 2, "waited for the whole window"
+    assert journal.batches == 2
+    await journal.close()
 
 
 async def test_a_commit_to_an_idle_journal_starts_at_once_even_on_a_busy_loop(
@@ -100,6 +130,7 @@ async def test_a_full_batch_does_not_wait_for_its_window(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(writer_module, "BATCH_MAX_EVENTS", 3)
+    monkeypatch.setattr(writer_module, "BATCH_QUIET_S", WINDOW_S)
     journal, opener = _journal(tmp_path)
     journal.start()
     opener.opened.gate.clear()
@@ -109,6 +140,7 @@ async def test_a_full_batch_does_not_wait_for_its_window(
     waiting = [await _commit(journal, 1)]
     opener.opened.gate.set()
     await asyncio.wait_for(first, 5)
+    assert journal.busy
     started = time.perf_counter()
     waiting += [await _commit(journal, i) for i in (2, 3)]  # the third event fills it
     await asyncio.wait_for(asyncio.gather(*waiting), 5)
@@ -118,8 +150,9 @@ async def test_a_full_batch_does_not_wait_for_its_window(
 
 
 async def test_a_failed_fsync_fails_every_caller_of_a_windowed_batch_alike(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(writer_module, "BATCH_QUIET_S", WINDOW_S)
     journal, opener = _journal(tmp_path)
     failures: list[BaseException] = []
     journal.on_failure.append(failures.append)

@@ -18,17 +18,18 @@ into the tables between two batches, in one transaction that also deletes the fo
 (see the package docstring for why; about 20 ms every 16k events, which the next batch waits
 for). Opening a journal folds what a crash left in ``log`` before anything else.
 
-A busy loop batches longer. Each batch costs the loop about a millisecond of CPU beyond
-its calls (the INSERT, the hand-over with the fsync thread, and above all waking up and
-answering once per batch), and under load a batch only holds what arrived during one fsync:
-about two StartSession calls. So while the loop thread is busy (``BUSY_SHARE`` of its time
-or more over the last ``BUSY_SAMPLE_S``), a batch waits up to ``BATCH_WINDOW_S`` after its
-first commit for more callers (or until it holds ``BATCH_MAX_EVENTS``): batches of ten calls
-and more, a third less CPU per call, so more calls per second and less queueing for each
-of them. Only callers that came while another batch was being made durable wait so (they have
-company); a commit to an idle journal starts its batch at the next turn of the loop, busy or
-not, so a caller that waits for each answer before its next call never waits for a window,
-and neither does anyone while the loop is not busy.
+A busy loop batches longer. Each batch costs the loop several hundred microseconds of CPU
+beyond its calls (the INSERT, the hand-over with the fsync thread, and above all waking up
+and answering once per batch), and under load a batch only holds what arrived during one
+fsync: about two StartSession calls. So while the loop thread is busy (``BUSY_SHARE`` of its
+time or more over the last ``BUSY_SAMPLE_S``), the callers that came while another batch was
+being made durable wait for more: their batch starts ``BATCH_WINDOW_S`` after its first
+commit, or once no caller joined it for ``BATCH_QUIET_S``, or once it holds
+``BATCH_MAX_EVENTS``, whichever comes first. The quiet rule is for a few callers that each
+wait for their answer before their next call: they come back together, then nobody does, so
+their batch starts a few milliseconds later instead of at the end of the window. A commit to
+an idle journal starts its batch at the next turn of the loop, busy or not, so a lone caller
+never waits for a window, and neither does anyone while the loop is not busy.
 
 Why not a writer thread that runs the INSERT: batches under StartSession load are small (1
 to 5 calls), so the hand-over to a thread that needs the GIL back to wake up, to return from
@@ -73,9 +74,13 @@ BATCH_WINDOW_S = 0.01
 """How long a batch waits for more callers after its first commit while the loop is busy
 (seconds): long enough to gather about ten StartSession calls under load, short against the
 queueing a saturated loop makes every call wait anyway."""
+BATCH_QUIET_S = 0.003
+"""A waiting batch that no caller joined for this long starts before its window ends: the
+callers there are have come (a few callers that each wait for their answer come back at
+once, then nobody; many independent callers keep coming)."""
 BATCH_MAX_EVENTS = 4096
 """A waiting batch that holds this many events starts at once."""
-BUSY_SHARE = 0.4
+BUSY_SHARE = 0.5
 """Share of wall time the loop thread spent on the CPU, over the last sample, at or above
 which batches wait for each other (``BATCH_WINDOW_S``)."""
 BUSY_SAMPLE_S = 0.05
@@ -215,6 +220,8 @@ class SqliteJournal:
         """Loop time and loop-thread CPU seconds at the start of the current busy sample."""
         self._next_at = 0.0
         """Loop time of the pending batch's first commit (its window counts from there)."""
+        self._joined_at = 0.0
+        """Loop time a caller last joined the batch waiting for its window."""
         self._window: asyncio.TimerHandle | None = None
         """Starts the pending batch when its window ends (busy loop only)."""
         self._fold_not_before = 0.0
@@ -295,10 +302,12 @@ class SqliteJournal:
                 self._next_at = self._loop.time()
                 if self._inflight is None:
                     self._loop.call_soon(self._dispatch_if_idle)
-            elif self._window is not None and len(self._pending) >= BATCH_MAX_EVENTS:
-                batch = self._next
-                self._dispatch_if_idle()  # full: it waits for no more callers
-                return _Durable(batch)
+            elif self._window is not None:
+                self._joined_at = self._loop.time()  # type: ignore[union-attr]
+                if len(self._pending) >= BATCH_MAX_EVENTS:
+                    batch = self._next
+                    self._dispatch_if_idle()  # full: it waits for no more callers
+                    return _Durable(batch)
             return _Durable(self._next)
         if self._inflight is not None:
             return _Durable(self._inflight)
@@ -330,14 +339,26 @@ class SqliteJournal:
 
     def _start_after_window(self) -> None:
         """Starts the pending batch (called after a batch became durable, with callers
-        waiting): at once, or, while the loop is busy, when the window that began with its
-        first commit ends (sooner if it fills)."""
+        waiting, on a busy loop) when its window ends, no caller joined it for
+        ``BATCH_QUIET_S`` or it is full."""
         assert self._loop is not None
-        wait = self._next_at + self.batch_window_s - self._loop.time()
-        if wait <= 0 or len(self._pending) >= BATCH_MAX_EVENTS:
+        self._joined_at = now = self._loop.time()
+        end = min(self._next_at + self.batch_window_s, now + BATCH_QUIET_S)
+        if end <= now or len(self._pending) >= BATCH_MAX_EVENTS:
             self._dispatch()
         else:
-            self._window = self._loop.call_later(wait, self._dispatch_if_idle)
+            self._window = self._loop.call_at(end, self._window_check)
+
+    def _window_check(self) -> None:
+        """The window's timer: starts the batch once its window ended or no caller joined it
+        for ``BATCH_QUIET_S``, else looks again then."""
+        assert self._loop is not None
+        self._window = None
+        end = min(self._next_at + self.batch_window_s, self._joined_at + BATCH_QUIET_S)
+        if end > self._loop.time():
+            self._window = self._loop.call_at(end, self._window_check)
+        else:
+            self._dispatch_if_idle()
 
     def _sample_busy(self) -> None:
         """Updates ``busy`` once a sample of ``BUSY_SAMPLE_S`` of loop time has passed: the
