@@ -49,20 +49,30 @@ async def _commit(journal: SqliteJournal, i: int) -> asyncio.Future[None]:
     return asyncio.ensure_future(journal.commit())
 
 
-async def test_callers_that_came_during_a_busy_fsync_share_one_batch_after_the_window(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(writer_module, "BATCH_QUIET_S", WINDOW_S)  # only the window ends it
-    journal, opener = _journal(tmp_path)
+async def _waiting_behind_a_busy_batch(
+    journal: SqliteJournal, opener: TablesOpener, events: range
+) -> list[asyncio.Future[None]]:
+    """Starts ``journal``, holds its first batch before the fsync while the loop is kept
+    busy, commits ``events`` meanwhile, then lets the first batch become durable: the
+    callers returned wait for the next batch, on a busy loop."""
     journal.start()
     opener.opened.gate.clear()  # the first batch waits before its fsync
     first = await _commit(journal, 0)
     await asyncio.sleep(0)
     _burn_loop(2 * writer_module.BUSY_SAMPLE_S)
-    waiting = [await _commit(journal, i) for i in (1, 2)]
+    waiting = [await _commit(journal, i) for i in events]
     opener.opened.gate.set()
     await asyncio.wait_for(first, 5)
     assert journal.busy and journal.batches == 1
+    return waiting
+
+
+async def test_callers_that_came_during_a_busy_fsync_share_one_batch_after_the_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writer_module, "BATCH_QUIET_S", WINDOW_S)  # only the window ends it
+    journal, opener = _journal(tmp_path)
+    waiting = await _waiting_behind_a_busy_batch(journal, opener, range(1, 3))
     await asyncio.sleep(WINDOW_S / 5)
     late = await _commit(journal, 3)  # joins the waiting batch
     assert not any(w.done() for w in waiting), "a busy loop started the batch before its window"
@@ -78,15 +88,7 @@ async def test_a_batch_nobody_joins_starts_after_the_quiet_time_not_the_window(
     tmp_path: Path,
 ) -> None:
     journal, opener = _journal(tmp_path)
-    journal.start()
-    opener.opened.gate.clear()
-    first = await _commit(journal, 0)
-    await asyncio.sleep(0)
-    _burn_loop(2 * writer_module.BUSY_SAMPLE_S)
-    waiting = await _commit(journal, 1)
-    opener.opened.gate.set()
-    await asyncio.wait_for(first, 5)
-    assert journal.busy
+    (waiting,) = await _waiting_behind_a_busy_batch(journal, opener, range(1, 2))
     started = time.perf_counter()
     await asyncio.wait_for(waiting, 5)
     assert writer_module.BATCH_QUIET_S < WINDOW_S / 10
@@ -132,15 +134,7 @@ async def test_a_full_batch_does_not_wait_for_its_window(
     monkeypatch.setattr(writer_module, "BATCH_MAX_EVENTS", 3)
     monkeypatch.setattr(writer_module, "BATCH_QUIET_S", WINDOW_S)
     journal, opener = _journal(tmp_path)
-    journal.start()
-    opener.opened.gate.clear()
-    first = await _commit(journal, 0)
-    await asyncio.sleep(0)
-    _burn_loop(2 * writer_module.BUSY_SAMPLE_S)
-    waiting = [await _commit(journal, 1)]
-    opener.opened.gate.set()
-    await asyncio.wait_for(first, 5)
-    assert journal.busy
+    waiting = await _waiting_behind_a_busy_batch(journal, opener, range(1, 2))
     started = time.perf_counter()
     waiting += [await _commit(journal, i) for i in (2, 3)]  # the third event fills it
     await asyncio.wait_for(asyncio.gather(*waiting), 5)
@@ -156,15 +150,7 @@ async def test_a_failed_fsync_fails_every_caller_of_a_windowed_batch_alike(
     journal, opener = _journal(tmp_path)
     failures: list[BaseException] = []
     journal.on_failure.append(failures.append)
-    journal.start()
-    opener.opened.gate.clear()
-    first = await _commit(journal, 0)
-    await asyncio.sleep(0)
-    _burn_loop(2 * writer_module.BUSY_SAMPLE_S)
-    waiting = [await _commit(journal, i) for i in (1, 2, 3)]
-    opener.opened.gate.set()
-    await asyncio.wait_for(first, 5)
-    assert journal.busy
+    waiting = await _waiting_behind_a_busy_batch(journal, opener, range(1, 4))
     opener.opened.sync_failure = OSError(5, "Input/output error")
     outcomes = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), 5)
     assert all(isinstance(o, Unavailable) for o in outcomes), outcomes
