@@ -218,6 +218,9 @@ class GroupRecord:
     request_ids: list[str] = field(default_factory=list)
     replaced: int = 0
     """Members replaced (each is aborted and has one more member after it)."""
+    lost: int = 0
+    """Members whose worker was lost (``SessionRecord.worker_lost``): a reward request
+    checks this count, not every member, to know that none is."""
     admitted_version: int = 0
     """The trainer's version when the group was admitted."""
     admission_epoch: int = 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from sessionrouter.server.core.groups import GroupRecord, SessionRecord
+from sessionrouter.server.core.groups import GroupRecord, GroupState, RewardArena, SessionRecord
 from sessionrouter.server.core.rewards import RewardBatch
 from sessionrouter.server.core.validation import (
     HANDLE_INDEX_BITS,
@@ -275,3 +275,110 @@ def _by_name(
         else "session must look like groups/{group_id}/sessions/{index}"
     )
     return None
+
+
+@dataclass(slots=True)
+class Uniform:
+    """A request that ``uniform`` found can be applied whole, with arrays: every entry
+    accepted, nothing per entry to word.
+
+    - ``groups``: the groups named, one per run of consecutive entries (a group named by
+      entries that are not consecutive makes the request not uniform), in order;
+    - ``bounds``: (len(groups) + 1,) where each group's run starts, then n;
+    - ``seqs``: the groups' seqs, in the same order;
+    - ``sessions``: (n,) entry i's session;
+    - ``arena``: the arena all of them keep their rewards in (one group size);
+    - ``rows``: intp (n,) entry i's arena row; ``slots``: intp (n,) its member slot (its
+      index: no group has a replaced member);
+    - ``values``: float64 (n,) the rewards, ``rewards`` the same as Python floats.
+    """
+
+    groups: list[GroupRecord]
+    bounds: list[int]
+    seqs: list[int]
+    sessions: list[SessionRecord]
+    arena: RewardArena
+    rows: NDArray[np.intp]
+    slots: NDArray[np.intp]
+    values: NDArray[np.float64]
+    rewards: list[float]
+
+
+def uniform(batch: RewardBatch, find_seq: Callable[[int], GroupRecord | None]) -> Uniform | None:
+    """The common columnar request, checked with NumPy over whole columns and once per group
+    instead of once per entry: handles only (no names, filter metrics or versions), every
+    reward finite and within ``MAX_REWARD_MAGNITUDE``, every handle a member of a full OPEN
+    group of this router with no aborted, replaced or lost member, all of one size, each
+    group's entries consecutive, no member named twice and none rewarded before. Then every entry is
+    ACCEPTED, exactly as the per-entry loop would have found one by one.
+
+    None for any other request: the per-entry path (``resolve`` and the applying loop)
+    decides it, and words each refusal. Why an arena slot tells a rewarded member from an
+    open one here: in an OPEN group without aborted or replaced members every member is
+    OPEN or REWARDED, and a member's slot (its index) holds a reward exactly when it is
+    REWARDED (``GroupLedger.record_rewards``, ``record_columns``, ``add_group``)."""
+    handles = batch.handles
+    if (
+        handles is None
+        or not handles
+        or batch.names is not None
+        or batch.metrics is not None
+        or batch.min_versions is not None
+        or batch.max_versions is not None
+        or len(handles) != len(batch.rewards)
+    ):
+        return None
+    # Few NumPy calls, each over the whole request: at a few hundred entries a call's own
+    # overhead, not its work, is what they cost.
+    values = np.asarray(batch.rewards, dtype=np.float64)
+    if not np.abs(values).max() <= MAX_REWARD_MAGNITUDE:  # NaN fails this too
+        return None
+    try:
+        column = np.asarray(handles, dtype=np.int64)
+    except (OverflowError, TypeError, ValueError):
+        return None
+    seq_column = column >> HANDLE_INDEX_BITS
+    n = len(handles)
+    bounds: list[int] = [0, *(np.flatnonzero(seq_column[1:] != seq_column[:-1]) + 1).tolist(), n]
+    seqs = [handles[i] >> HANDLE_INDEX_BITS for i in bounds[:-1]]
+    if len(set(seqs)) != len(seqs):
+        return None  # a group's entries are not consecutive
+    groups: list[GroupRecord] = []
+    first = find_seq(seqs[0]) if seqs[0] > 0 else None
+    if first is None:
+        return None
+    arena, size, open_state = first.arena, first.size, GroupState.OPEN
+    for seq in seqs:
+        group = find_seq(seq) if seq > 0 else None
+        if (
+            group is None
+            or group.state is not open_state
+            or group.arena is not arena
+            or group.aborted
+            or group.replaced
+            or group.lost
+            or len(group.members) != size
+        ):
+            return None
+        groups.append(group)
+    if arena is None:
+        return None
+    slots = column & _INDEX_MASK
+    if not slots.max() < size:
+        return None
+    rows = np.repeat(
+        np.array([g.arena_row for g in groups], dtype=np.intp),
+        [bounds[k + 1] - bounds[k] for k in range(len(groups))],
+    )
+    if not np.isnan(arena.values[rows, slots]).all():
+        return None  # some member is rewarded already: DUPLICATE or CONFLICT
+    places = rows * size + slots
+    places.sort()
+    if not (places[1:] != places[:-1]).all():
+        return None  # some member is named twice
+    index: list[int] = slots.tolist()
+    sessions: list[SessionRecord] = []
+    for k, group in enumerate(groups):
+        members = group.members
+        sessions += [members[i] for i in index[bounds[k] : bounds[k + 1]]]
+    return Uniform(groups, bounds, seqs, sessions, arena, rows, slots, values, values.tolist())

@@ -153,6 +153,8 @@ def _restored_group(row: GroupRow, workers: WorkerRegistry, now: float, wall: fl
     per_worker = group.members_per_worker
     for session in group.members:
         per_worker[session.worker_id] = per_worker.get(session.worker_id, 0) + 1
+        if session.worker_lost:
+            group.lost += 1
         if session.replaces >= 0:
             group.replaced += 1
             group.members[session.replaces].replaced_by = session.index

@@ -80,7 +80,7 @@ from sessionrouter.server.core.groups import (
     SessionState,
     member_cost,
 )
-from sessionrouter.server.core.intake import Resolved, resolve, screen
+from sessionrouter.server.core.intake import Resolved, Uniform, resolve, screen, uniform
 from sessionrouter.server.core.placement import PlacementMode, PlacementPolicy, choose_worker
 from sessionrouter.server.core.recovery import RestoreSummary, rebuild
 from sessionrouter.server.core.rewards import (
@@ -145,6 +145,8 @@ __all__ = [  # the command, result and settings types live in their own modules
 log = logging.getLogger("sessionrouter.router")
 
 _WORKER_LOST = operator.attrgetter("worker_lost")
+_MIN_VERSION = operator.attrgetter("min_version")
+_MAX_VERSION = operator.attrgetter("max_version")
 _ACCEPTED = STATUS_CODES[RewardStatus.ACCEPTED]
 _NOT_FINITE = STATUS_CODES[RewardStatus.NOT_FINITE]
 _GROUP_CLOSED = STATUS_CODES[RewardStatus.GROUP_CLOSED]
@@ -589,6 +591,8 @@ class SessionRouter:
             session = self.groups.find_session(group_id, index)
             if group is not None and session is not None and session.state is SessionState.OPEN:
                 session.worker_lost = True
+                if group is not None:
+                    group.lost += 1
                 if self.journal is not None:
                     self.journal.append(SessionLost(group.seq, index))
                 if group.state is GroupState.OPEN:
@@ -966,7 +970,13 @@ class SessionRouter:
         A group is tested for completion once per run (a group without lost members can
         only settle on the last reward it was missing, and no entry after that one can be
         accepted for it), freed slots are given back once per worker at the end, and the
-        statuses are counted once."""
+        statuses are counted once.
+
+        A request ``core.intake.uniform`` finds wholly acceptable (the common columnar one)
+        is applied by ``_submit_uniform`` instead, with arrays and once per group."""
+        whole = uniform(batch, self.groups.find_seq)
+        if whole is not None:
+            return self._submit_uniform(whole, batch.columnar, origin)
         n = len(batch.rewards)
         codes = bytearray(b"\x01") * n
         refused: dict[int, str] = {}
@@ -1060,10 +1070,7 @@ class SessionRouter:
                 if lost and group.stranded:
                     record_rewards(group, rewarded, with_metrics)
                     rewarded = []
-                    if completed:
-                        self._finish_complete(completed, origin)
-                        completed = []
-                    self._finish(group, origin)
+                    self._finish_after(completed, group, origin)
             if rewarded:
                 if arena is None:
                     record_rewards(group, rewarded, with_metrics)
@@ -1073,10 +1080,7 @@ class SessionRouter:
                     if group.rewarded == group.size == len(group.members):
                         completed.append(group)
                     else:
-                        if completed:
-                            self._finish_complete(completed, origin)
-                            completed = []
-                        self._finish(group, origin)
+                        self._finish_after(completed, group, origin)
         if arena is not None:
             self._record_accepted(arena, resolved, codes, refused, checked.values)
         if completed:
@@ -1098,6 +1102,49 @@ class SessionRouter:
         else:
             counts[RewardStatus.ACCEPTED] += n
         return outcome
+
+    def _submit_uniform(
+        self, request: Uniform, columnar: bool, origin: StreamOrigin | None
+    ) -> BatchOutcome:
+        """Applies a request whose every entry is ACCEPTED (``core.intake.uniform``): the
+        same state as the per-entry loop leaves, reached with one NumPy write of the
+        rewards into the arena, one pass setting the session records (what GetSession, the
+        journal and recovery read), and the groups' counts, versions and completion once per
+        group. Every group it completes is complete with every member rewarded."""
+        sessions, rewards = request.sessions, request.rewards
+        rewarded_state = SessionState.REWARDED
+        freed: dict[str, list[SessionRecord]] = {}
+        for session, reward in zip(sessions, rewards, strict=True):
+            session.reward = reward
+            session.state = rewarded_state
+            held = freed.get(session.worker_id)
+            if held is None:
+                freed[session.worker_id] = [session]
+            else:
+                held.append(session)
+        self.groups.record_columns(request.arena, request.rows, request.slots, request.values)
+        journal = self.journal
+        bounds = request.bounds
+        widen = self.groups.widen_versions
+        completed: list[GroupRecord] = []
+        for k, group in enumerate(request.groups):
+            start, end = bounds[k], bounds[k + 1]
+            run = sessions[start:end]
+            if journal is not None:
+                seq = group.seq
+                for session, reward in zip(run, rewards[start:end], strict=True):
+                    journal.reward(seq, session.index, reward)
+            widen(group, min(map(_MIN_VERSION, run)), max(map(_MAX_VERSION, run)))
+            group.rewarded += end - start
+            if group.rewarded == group.size == len(group.members):
+                completed.append(group)
+        if completed:
+            self._finish_complete(completed, origin)
+        for worker_id, held in freed.items():
+            self.workers.release_sessions(worker_id, held)
+        n = len(sessions)
+        self.stats.rewards[RewardStatus.ACCEPTED] += n
+        return BatchOutcome(bytearray(b"\x01") * n, [], [], columnar, None)
 
     @staticmethod
     def _one_arena(resolved: Resolved) -> RewardArena | None:
@@ -1182,6 +1229,18 @@ class SessionRouter:
         if log.isEnabledFor(logging.DEBUG):
             for group in groups:
                 _log_finished(logging.DEBUG, group, complete, group.size)
+
+    def _finish_after(
+        self, completed: list[GroupRecord], group: GroupRecord, origin: StreamOrigin | None
+    ) -> None:
+        """``_finish`` of ``group``, after handing on the complete groups a request collected
+        before it (``completed``, emptied): groups reach the finalizer in finish order. Only
+        a group that ends otherwise than complete (stranded, or settled with aborted or
+        replaced members) comes here, so the common request pays no call for it."""
+        if completed:
+            self._finish_complete(completed, origin)
+            completed.clear()
+        self._finish(group, origin)
 
     def _finish(self, group: GroupRecord, origin: StreamOrigin | None) -> None:
         members = group.members

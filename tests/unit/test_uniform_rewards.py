@@ -1,0 +1,220 @@
+"""The whole-request path for rewards (``core.intake.uniform``, ``SessionRouter._submit_uniform``)
+against the per-entry path: two routers built alike get the same requests, one as columns of
+handles only (what the whole-request path takes when it can) and one with a names column (what
+a RewardEntry message becomes: always the per-entry path). Every request must give the same
+status and detail per entry and leave the same state: sessions, groups, freed slots, results.
+
+The requests cover what the whole-request path must recognise and leave to the per-entry path:
+duplicates within one request, a member rewarded before, a closed group, an aborted member, a
+replaced member, a member of a lost worker, mixed group sizes, a group not yet full, entries of
+one group that are not consecutive, unknown handles, NaN and infinite rewards."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import pytest
+
+from sessionrouter.server.core.clock import ManualClock
+from sessionrouter.server.core.commands import OptionsSpec, StartGroupCommand, StartSessionCommand
+from sessionrouter.server.core.groups import GroupRecord
+from sessionrouter.server.core.intake import uniform
+from sessionrouter.server.core.rewards import RewardBatch
+from sessionrouter.server.core.router import RouterSettings, SessionRouter
+from sessionrouter.server.core.validation import session_handle
+
+SETTINGS = RouterSettings(deadline_s=10.0, reducer_window_s=0.0, heartbeat_timeout_s=3600.0)
+
+Entry = tuple[str, int, float]
+"""(group key, member index, reward); an index beyond the group names no session, group key
+"?" names a group no router holds."""
+
+
+@dataclass
+class World:
+    """One router and the groups it was given, by key."""
+
+    router: SessionRouter
+    groups: dict[str, GroupRecord]
+
+    def handle(self, key: str, index: int) -> int:
+        if key == "?":
+            return session_handle(1 << 40, index)
+        return session_handle(self.groups[key].seq, index)
+
+
+def build(lost: bool = False) -> World:
+    """The same groups on any router: fresh ones of 8 and of 4, one with an aborted member,
+    one whose first member was replaced, one finalized partial at its deadline, one not yet
+    full; ``lost``: then worker w0 is lost (its members stay, marked lost)."""
+    router = SessionRouter(SETTINGS, ManualClock())
+    for i in range(4):
+        router.register_worker(f"w{i}", f"10.0.0.{i}:1", 256, {})
+    groups: dict[str, GroupRecord] = {}
+    for key in ("p", "q", "r", "s", "t", "u", "v"):
+        groups[key] = router.start_group(StartGroupCommand("t", 8, group_id=key)).group
+    groups["four"] = router.start_group(StartGroupCommand("t", 4, group_id="four")).group
+    groups["ab"] = router.start_group(StartGroupCommand("t", 8, group_id="ab")).group
+    router.abort_session(groups["ab"].members[1].name, "test")
+    replacing = OptionsSpec(replace_lost=True)
+    groups["rep"] = router.start_group(
+        StartGroupCommand("t", 8, group_id="rep", options=replacing)
+    ).group
+    router.abort_session(groups["rep"].members[0].name, "test", retryable=True)
+    short = OptionsSpec(deadline_s=1.0, min_members=1)
+    groups["closed"] = router.start_group(
+        StartGroupCommand("t", 8, group_id="closed", options=short)
+    ).group
+    router.submit_rewards([(groups["closed"].members[0].name, 1.0)])
+    router.clock.advance(5.0)  # type: ignore[attr-defined]
+    router.expire_due()
+    groups["half"] = router.start_session(StartSessionCommand("t", "half", 8)).group
+    if lost:
+        router.deregister_worker("w0")
+    router.finalizer.drain()
+    return World(router, groups)
+
+
+def by_handles(world: World, entries: list[Entry]) -> RewardBatch:
+    return RewardBatch(
+        rewards=[r for _, _, r in entries],
+        handles=[world.handle(k, i) for k, i, _ in entries],
+        columnar=True,
+    )
+
+
+def by_entries(world: World, entries: list[Entry]) -> RewardBatch:
+    """The same request as RewardEntry messages with handles become: a names column."""
+    batch = by_handles(world, entries)
+    return RewardBatch(rewards=batch.rewards, names=[""] * len(entries), handles=batch.handles)
+
+
+def state(world: World) -> list[object]:
+    """What a request may have changed, said without handles (they differ between routers)."""
+    router = world.router
+    seen: list[object] = []
+    for key, group in sorted(world.groups.items()):
+        seen.append(
+            (
+                key,
+                group.state,
+                group.rewarded,
+                group.aborted,
+                group.counted_min_version,
+                group.counted_max_version,
+                [(m.state, m.reward, m.worker_lost) for m in group.members],
+            )
+        )
+    seen.append(sorted((w.worker_id, len(w.open_sessions)) for w in router.workers))
+    seen.append(
+        [
+            (r.group_id, r.outcome, r.rewards.tolist(), r.advantages.tolist(), r.excluded_sessions)
+            for r in router.finalizer.drain()
+        ]
+    )
+    seen.append(sorted((s.value, c) for s, c in router.stats.rewards.items()))
+    return seen
+
+
+def statuses(world: World, batch: RewardBatch, fast: bool) -> tuple[bytes, list[str]]:
+    router = world.router
+    assert (uniform(batch, router.groups.find_seq) is not None) is fast
+    outcome = router.submit_batch(batch)
+    return bytes(outcome.codes), [re.sub(r"handle \d+", "handle N", d) for d in outcome.details]
+
+
+EIGHT = [0, 1, 2, 3, 4, 5, 6, 7]
+REQUESTS: list[tuple[str, list[Entry], bool]] = [
+    # (what it shows, entries, whether the whole-request path takes it)
+    (
+        "two whole groups",
+        [("p", i, float(i % 3)) for i in EIGHT] + [("q", i, 1.0) for i in EIGHT],
+        True,
+    ),
+    ("half a group", [("r", i, 0.5 * i) for i in range(4)], True),
+    ("the other half", [("r", i, 2.0 - i) for i in range(4, 8)], True),
+    (
+        "named twice in one request",
+        [("s", 0, 1.0), ("s", 1, 0.0), ("s", 0, 1.0), ("s", 2, 3.0)],
+        False,
+    ),
+    ("rewarded before", [("s", 3, 1.0), ("s", 1, 0.0), ("s", 2, 2.0)], False),
+    ("a closed group", [("closed", 1, 1.0), ("closed", 2, 0.0)], False),
+    ("a finalized group", [("p", 0, 0.0)], False),
+    ("an aborted member", [("ab", i, float(i)) for i in EIGHT], False),
+    ("a replaced member and its replacement", [("rep", i, float(i)) for i in [*EIGHT, 8]], False),
+    (
+        "mixed sizes",
+        [("four", i, 1.0) for i in range(4)] + [("t", i, float(i)) for i in EIGHT],
+        False,
+    ),
+    ("a group not yet full", [("half", 0, 1.0)], False),
+    ("not consecutive", [("u", 0, 1.0), ("v", 0, 2.0), ("u", 1, 0.0)], False),
+    ("unknown handles", [("u", 2, 1.0), ("u", 9, 1.0), ("?", 0, 1.0), ("u", 3, 0.0)], False),
+    ("NaN", [("u", 4, math.nan), ("u", 5, 1.0)], False),
+    ("infinite", [("u", 6, -math.inf), ("u", 7, 1.0), ("u", 4, 0.0)], False),
+    ("beyond the magnitude bound", [("v", 1, 1e101), ("v", 2, 1.0)], False),
+    (
+        "what is left of u and v",
+        [("u", 6, 0.0)] + [("v", i, float(i % 2)) for i in (1, *range(3, 8))],
+        True,
+    ),
+]
+
+
+def test_each_request_gives_the_same_statuses_and_state_both_ways() -> None:
+    fast, slow = build(), build()
+    assert state(fast) == state(slow)
+    for what, entries, whole in REQUESTS:
+        got = statuses(fast, by_handles(fast, entries), whole)
+        want = statuses(slow, by_entries(slow, entries), False)
+        assert got == want, what
+        assert state(fast) == state(slow), what
+    # Every group of 8 with a member left to reward ended; p, q and r complete.
+    assert [fast.groups[k].state.value for k in ("p", "q", "r", "s", "u", "v")] == [
+        "finalized"
+    ] * 3 + ["open", "finalized", "finalized"]
+
+
+@pytest.mark.parametrize("order", ["lost last", "lost first"])
+def test_a_group_with_a_lost_member_is_left_to_the_per_entry_path(order: str) -> None:
+    """A group with a member on a lost worker ends (stranded) as soon as every other member is
+    rewarded, so a later entry of the same request for it is GROUP_CLOSED: per entry."""
+    fast, slow = build(lost=True), build(lost=True)
+    lost = [m.index for m in fast.groups["p"].members if m.worker_lost]
+    others = [i for i in EIGHT if i not in lost]
+    assert lost and [m.index for m in slow.groups["p"].members if m.worker_lost] == lost
+    indices = others + lost if order == "lost last" else lost + others
+    entries = [("p", i, float(i)) for i in indices]
+    got = statuses(fast, by_handles(fast, entries), False)
+    assert got == statuses(slow, by_entries(slow, entries), False)
+    assert state(fast) == state(slow)
+    assert fast.groups["p"].state.value == "finalized"
+
+
+def test_uniform_takes_only_requests_it_can_accept_whole() -> None:
+    world = build()
+    find = world.router.groups.find_seq
+    whole = [("p", i, 1.0) for i in EIGHT]
+    assert uniform(by_handles(world, whole), find) is not None
+    named = by_entries(world, whole)
+    assert uniform(named, find) is None
+    metrics = RewardBatch(
+        rewards=named.rewards, handles=named.handles, metrics=[0.0] * 8, columnar=True
+    )
+    assert uniform(metrics, find) is None
+    versions = RewardBatch(
+        rewards=named.rewards, handles=named.handles, min_versions=[1] * 8, columnar=True
+    )
+    assert uniform(versions, find) is None
+    negative = RewardBatch(rewards=[1.0, 1.0], handles=[-1, whole_handle(world)], columnar=True)
+    assert uniform(negative, find) is None
+    huge = RewardBatch(rewards=[1.0], handles=[1 << 64], columnar=True)
+    assert uniform(huge, find) is None
+    assert uniform(RewardBatch(rewards=[], handles=[], columnar=True), find) is None
+
+
+def whole_handle(world: World) -> int:
+    return world.handle("p", 0)
