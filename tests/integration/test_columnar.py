@@ -224,6 +224,54 @@ async def test_both_forms_give_every_entry_the_same_status_and_detail() -> None:
         await stop_harness(by_columns)
 
 
+HANDLE_REQUESTS = (
+    (Ref("a", 0, "handle", 1.0), Ref("a", 1, "handle", 0.0), Ref("a", 2, "handle", 1.0)),
+    (Ref("c", 0, "handle", 1.0), Ref("c", 1, "handle", 0.5), Ref("c", 0, "handle", 1.0)),
+    (Ref("b", 0, "handle", 2.0), Ref("b", 1, "handle", 1.0)),
+    (Ref("late", 1, "handle", 1.0), Ref("a", 0, "handle", 1.0)),
+    (Ref("a", 7, "handle", 1.0), Ref("c", 1, "handle", math.nan)),
+)
+"""Requests of handles only: the first is wholly acceptable (applied whole, with arrays), the
+others are not (a member named twice, an aborted member, a closed group, a member of a
+finished group, an unknown handle, a NaN) and fall back to the per-entry path."""
+
+
+async def test_handle_columns_give_the_statuses_and_results_of_messages() -> None:
+    by_message, by_columns = await start_harness(), await start_harness()
+    try:
+        got, results = {}, {}
+        for h, columnar in ((by_message, False), (by_columns, True)):
+            members = await setup(h)
+            requests = []
+            for refs in HANDLE_REQUESTS:
+                if not columnar:
+                    requests.append(message_request(refs, members))
+                    continue
+                handles = [resolve(ref, members)[1] for ref in refs]
+                columns = spb.RewardColumns(handles=handles, rewards=[r.reward for r in refs])
+                requests.append(spb.SubmitRewardsRequest(columns=columns, sequence=1))
+            responses = await submit(h, *requests)
+            got[columnar] = [masked(per_entry(m.ack)) for m in responses if m.HasField("ack")]
+            feed = await read_feed(h, 0, 4)
+            results[columnar] = [
+                (g.group_id, g.outcome, list(g.rewards), list(g.advantages)) for g in feed
+            ]
+        assert got[True] == got[False]
+        assert results[True] == results[False]
+        S = spb  # noqa: N806
+        assert [[s for s, _ in ack] for ack in got[True]] == [
+            [S.REWARD_STATUS_ACCEPTED] * 3,
+            [S.REWARD_STATUS_ACCEPTED, S.REWARD_STATUS_ACCEPTED, S.REWARD_STATUS_DUPLICATE],
+            [S.REWARD_STATUS_ACCEPTED, S.REWARD_STATUS_SESSION_ABORTED],
+            [S.REWARD_STATUS_GROUP_CLOSED, S.REWARD_STATUS_DUPLICATE],
+            [S.REWARD_STATUS_UNKNOWN_SESSION, S.REWARD_STATUS_NOT_FINITE],
+        ]
+        assert [g for g, *_ in results[True]] == ["late", "a", "c", "b"]
+    finally:
+        await stop_harness(by_message)
+        await stop_harness(by_columns)
+
+
 @pytest.mark.parametrize(
     ("columns", "reason", "field"),
     [
