@@ -31,6 +31,8 @@ from sessionrouter.server.core.validation import (
 )
 
 _INDEX_MASK = (1 << HANDLE_INDEX_BITS) - 1
+_MAX = np.maximum
+_ALL = np.logical_and
 
 
 @dataclass(slots=True)
@@ -328,10 +330,11 @@ def uniform(batch: RewardBatch, find_seq: Callable[[int], GroupRecord | None]) -
         or len(handles) != len(batch.rewards)
     ):
         return None
-    # Few NumPy calls, each over the whole request: at a few hundred entries a call's own
-    # overhead, not its work, is what they cost.
+    # Few NumPy calls, each over the whole request, and ufunc reductions and array methods
+    # rather than the np.* wrappers: at a few hundred entries a call's own overhead, not its
+    # work, is what these checks cost.
     values = np.asarray(batch.rewards, dtype=np.float64)
-    if not np.abs(values).max() <= MAX_REWARD_MAGNITUDE:  # NaN fails this too
+    if not _MAX.reduce(np.abs(values)) <= MAX_REWARD_MAGNITUDE:  # NaN fails this too
         return None
     try:
         column = np.asarray(handles, dtype=np.int64)
@@ -339,7 +342,7 @@ def uniform(batch: RewardBatch, find_seq: Callable[[int], GroupRecord | None]) -
         return None
     seq_column = column >> HANDLE_INDEX_BITS
     n = len(handles)
-    bounds: list[int] = [0, *(np.flatnonzero(seq_column[1:] != seq_column[:-1]) + 1).tolist(), n]
+    bounds: list[int] = [0, *((seq_column[1:] != seq_column[:-1]).nonzero()[0] + 1).tolist(), n]
     seqs = [handles[i] >> HANDLE_INDEX_BITS for i in bounds[:-1]]
     if len(set(seqs)) != len(seqs):
         return None  # a group's entries are not consecutive
@@ -364,17 +367,16 @@ def uniform(batch: RewardBatch, find_seq: Callable[[int], GroupRecord | None]) -
     if arena is None:
         return None
     slots = column & _INDEX_MASK
-    if not slots.max() < size:
+    if not _MAX.reduce(slots) < size:
         return None
-    rows = np.repeat(
-        np.array([g.arena_row for g in groups], dtype=np.intp),
-        [bounds[k + 1] - bounds[k] for k in range(len(groups))],
+    rows = np.array([g.arena_row for g in groups], dtype=np.intp).repeat(
+        [bounds[k + 1] - bounds[k] for k in range(len(groups))]
     )
-    if not np.isnan(arena.values[rows, slots]).all():
+    if not _ALL.reduce(np.isnan(arena.values[rows, slots])):
         return None  # some member is rewarded already: DUPLICATE or CONFLICT
     places = rows * size + slots
     places.sort()
-    if not (places[1:] != places[:-1]).all():
+    if not _ALL.reduce(places[1:] != places[:-1]):
         return None  # some member is named twice
     index: list[int] = slots.tolist()
     sessions: list[SessionRecord] = []
