@@ -9,7 +9,9 @@ each group up once per run of consecutive entries of that group, not once per en
 
 Nothing here changes state: an entry's status still depends on the entries before it in the
 request (a second reward for the same session is DUPLICATE or CONFLICT), which only the
-applying loop knows.
+applying loop knows. Except for the common request where none does: ``uniform`` proves from
+the columns, the groups and their arena rows that every entry is ACCEPTED, and the router
+then applies it whole (``SessionRouter._submit_uniform``), with no loop that checks entries.
 """
 
 from __future__ import annotations
@@ -287,17 +289,15 @@ class Uniform:
     - ``groups``: the groups named, one per run of consecutive entries (a group named by
       entries that are not consecutive makes the request not uniform), in order;
     - ``bounds``: (len(groups) + 1,) where each group's run starts, then n;
-    - ``seqs``: the groups' seqs, in the same order;
     - ``sessions``: (n,) entry i's session;
     - ``arena``: the arena all of them keep their rewards in (one group size);
-    - ``rows``: intp (n,) entry i's arena row; ``slots``: intp (n,) its member slot (its
+    - ``rows``: intp (n,) entry i's arena row; ``slots``: int64 (n,) its member slot (its
       index: no group has a replaced member);
     - ``values``: float64 (n,) the rewards, ``rewards`` the same as Python floats.
     """
 
     groups: list[GroupRecord]
     bounds: list[int]
-    seqs: list[int]
     sessions: list[SessionRecord]
     arena: RewardArena
     rows: NDArray[np.intp]
@@ -383,4 +383,4 @@ def uniform(batch: RewardBatch, find_seq: Callable[[int], GroupRecord | None]) -
     for k, group in enumerate(groups):
         members = group.members
         sessions += [members[i] for i in index[bounds[k] : bounds[k + 1]]]
-    return Uniform(groups, bounds, seqs, sessions, arena, rows, slots, values, values.tolist())
+    return Uniform(groups, bounds, sessions, arena, rows, slots, values, values.tolist())
