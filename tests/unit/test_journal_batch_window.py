@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from sessionrouter.server.app import RouterServer
+from sessionrouter.server.config import ConfigError, build_config, env_values
 from sessionrouter.server.core.errors import Unavailable
 from sessionrouter.server.core.events import WorkerSaved
 from sessionrouter.server.journal import SqliteJournal
@@ -50,12 +52,13 @@ async def _commit(journal: SqliteJournal, i: int) -> asyncio.Future[None]:
 
 
 async def _waiting_behind_a_busy_batch(
-    journal: SqliteJournal, opener: TablesOpener, events: range
+    journal: SqliteJournal, opener: TablesOpener, events: range, *, started: bool = False
 ) -> list[asyncio.Future[None]]:
-    """Starts ``journal``, holds its first batch before the fsync while the loop is kept
-    busy, commits ``events`` meanwhile, then lets the first batch become durable: the
-    callers returned wait for the next batch, on a busy loop."""
-    journal.start()
+    """Starts ``journal`` (unless ``started``), holds its first batch before the fsync while
+    the loop is kept busy, commits ``events`` meanwhile, then lets the first batch become
+    durable: the callers returned wait for the next batch, on a busy loop."""
+    if not started:
+        journal.start()
     opener.opened.gate.clear()  # the first batch waits before its fsync
     first = await _commit(journal, 0)
     await asyncio.sleep(0)
@@ -164,3 +167,42 @@ async def test_a_failed_fsync_fails_every_caller_of_a_windowed_batch_alike(
 def test_a_negative_window_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="batch_window_s"):
         SqliteJournal(tmp_path, batch_window_s=-1.0)
+
+
+@pytest.mark.parametrize("window_ms", [WINDOW_S * 1000, 0.0])
+async def test_the_window_setting_reaches_the_servers_journal_and_0_turns_it_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, window_ms: float
+) -> None:
+    monkeypatch.setattr(writer_module, "BATCH_QUIET_S", WINDOW_S)  # only the window ends it
+    env = env_values({"SESSIONROUTER_JOURNAL_BATCH_WINDOW_MS": str(window_ms)})
+    config = build_config({"listen": "127.0.0.1:0", "state_dir": str(tmp_path)}, {}, env)
+    opener = TablesOpener()
+    server = RouterServer(config, open_tables=opener)
+    await server.start()
+    try:
+        journal = server.journal
+        assert journal is not None and journal.batch_window_s == window_ms / 1000
+        waiting = await _waiting_behind_a_busy_batch(journal, opener, range(1, 3), started=True)
+        batches = journal.batches
+        await asyncio.sleep(WINDOW_S / 5)
+        assert all(w.done() for w in waiting) == (window_ms == 0), (
+            "a window of 0 starts the next batch at once; any other waits on a busy loop"
+        )
+        await asyncio.wait_for(asyncio.gather(*waiting), 5)
+        assert journal.batches == batches + 1
+    finally:
+        await server.stop(grace_s=0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "env"),
+    [
+        ({"journal_batch_window_ms": -1.0}, {}),
+        ({"in_memory": True}, {"SESSIONROUTER_JOURNAL_BATCH_WINDOW_MS": "-0.5"}),
+    ],
+)
+def test_a_negative_window_setting_is_refused_at_start(
+    flags: dict[str, object], env: dict[str, str]
+) -> None:
+    with pytest.raises(ConfigError, match=r"journal\.batch_window_ms must not be negative"):
+        build_config(flags, {}, env_values(env))

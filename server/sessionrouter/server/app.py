@@ -297,6 +297,7 @@ class RouterServer:
                 sync=cfg.sync,
                 keep_finished=max(settings.feed_retention, settings.finished_group_retention),
                 open_tables=self._open_tables,
+                batch_window_s=cfg.batch_window_s,
             )
 
         try:

@@ -51,6 +51,7 @@ from sessionrouter.server.core.settings import RouterSettings
 from sessionrouter.server.core.validation import check_id
 from sessionrouter.server.credentials import CredentialError, TokenTable
 from sessionrouter.server.journal import SyncMode
+from sessionrouter.server.journal.writer import BATCH_WINDOW_S
 from sessionrouter.server.shards.identity import DEFAULT_LEASE_CHUNK, ShardConfig, ShardIdentity
 
 DEMO_WORKER_BASE_PORT = 30000
@@ -94,6 +95,8 @@ class JournalConfig:
     start_fresh: bool = False
     """When the journal is damaged (empty, of another identity, or behind what it had
     committed), move its files aside and start an empty journal instead of refusing."""
+    batch_window_s: float = BATCH_WINDOW_S
+    """Seconds a batch waits for more callers while the loop is busy (0: never waits)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +271,10 @@ SETTINGS: tuple[Setting, ...] = (
             " another journal's, or behind what it committed), move its files aside into"
             " damaged-* and start an empty journal instead of refusing to start",
             "journal.start_fresh"),
+    Setting("journal_batch_window_ms", "--journal-batch-window-ms", float,
+            BATCH_WINDOW_S * 1000, "while the loop is busy, a journal batch waits up to this"
+            " long for more callers to share its fsync (0: every batch starts at once)",
+            "journal.batch_window_ms", "MS"),
     Setting("shard", "--shard", str, "0/1", "this router is shard INDEX of COUNT (0-based):"
             " it serves only the groups with shard_of(group_id, COUNT) == INDEX; 0/1 is one"
             " router without NATS", "shards.shard", "INDEX/COUNT"),
@@ -636,6 +643,9 @@ def _journal(src: Sources) -> JournalConfig | None:
     ):
         if source.get("in_memory") and source.get("state_dir") is not None:
             raise ConfigError(f"{where} exclude each other")
+    window_ms = src.get("journal_batch_window_ms")
+    if window_ms < 0:
+        raise ConfigError(f"journal.batch_window_ms must not be negative, got {window_ms}")
     try:
         sync = SyncMode(src.get("journal_sync"))
     except ValueError:
@@ -650,7 +660,9 @@ def _journal(src: Sources) -> JournalConfig | None:
     state_dir = src.get("state_dir") or DEFAULT_STATE_DIR
     if src.given("state_dir") and not src.get("state_dir"):
         raise ConfigError("the state directory must not be empty")
-    return JournalConfig(state_dir, sync, src.get("check_on_start"), src.get("start_fresh"))
+    return JournalConfig(
+        state_dir, sync, src.get("check_on_start"), src.get("start_fresh"), window_ms / 1000
+    )
 
 
 def _shards(src: Sources) -> ShardConfig | None:
