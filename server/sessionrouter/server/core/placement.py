@@ -110,6 +110,18 @@ class PlacementChoice:
     """True when the worker already holds another member of the same group."""
 
 
+def fresh_worker(
+    registry: WorkerRegistry, members_per_worker: Mapping[str, int], policy: PlacementPolicy
+) -> WorkerRecord | None:
+    """SPREAD's and STRICT's rule 1, the usual placement: the least-loaded eligible worker
+    the group does not use yet; None when there is none, or under PACK (whose first rule is
+    the latest member's worker). The caller places the member there unshared and builds no
+    ``PlacementChoice``; on None it asks ``choose_worker(..., fresh_tried=True)``."""
+    if policy.mode is PlacementMode.PACK:
+        return None
+    return registry.least_loaded(exclude=members_per_worker, selector=policy.selector)
+
+
 def choose_worker(
     registry: WorkerRegistry,
     group_id: str,
@@ -118,11 +130,15 @@ def choose_worker(
     last_worker_id: str,
     policy: PlacementPolicy,
     retry_after_s: float,
+    *,
+    fresh_tried: bool = False,
 ) -> PlacementChoice:
     """Picks the worker for one more member of ``group_id`` (size ``group_size``).
 
     ``members_per_worker`` maps worker_id to how many members of the group it holds
     already; ``last_worker_id`` is the worker of the group's latest member ("" if none).
+    ``fresh_tried``: ``fresh_worker`` found none just now, so SPREAD and STRICT go straight
+    to their second rule.
     """
     selector = policy.selector
     if policy.mode is PlacementMode.PACK:
@@ -135,7 +151,7 @@ def choose_worker(
             policy,
             retry_after_s,
         )
-    worker = registry.least_loaded(exclude=members_per_worker, selector=selector)
+    worker = None if fresh_tried else fresh_worker(registry, members_per_worker, policy)
     if worker is not None:
         return PlacementChoice(worker, shared=False)
     candidates = _used_eligible(registry, members_per_worker, selector)

@@ -81,7 +81,12 @@ from sessionrouter.server.core.groups import (
     member_cost,
 )
 from sessionrouter.server.core.intake import Resolved, Uniform, resolve, screen, uniform
-from sessionrouter.server.core.placement import PlacementMode, PlacementPolicy, choose_worker
+from sessionrouter.server.core.placement import (
+    PlacementMode,
+    PlacementPolicy,
+    choose_worker,
+    fresh_worker,
+)
 from sessionrouter.server.core.recovery import RestoreSummary, rebuild
 from sessionrouter.server.core.rewards import (
     STATUS_CODES,
@@ -804,16 +809,22 @@ class SessionRouter:
         metadata: dict[str, str],
         policy: PlacementPolicy | None = None,
     ) -> SessionRecord:
-        choice = choose_worker(
-            self.workers,
-            group.group_id,
-            group.size,
-            group.members_per_worker,
-            group.members[-1].worker_id if group.members else "",
-            policy or group.settings.placement,
-            self.settings.retry_after_s,
-        )
-        worker = choice.worker
+        policy = policy or group.settings.placement
+        per_worker = group.members_per_worker
+        worker = fresh_worker(self.workers, per_worker, policy)
+        shared = False
+        if worker is None:
+            choice = choose_worker(
+                self.workers,
+                group.group_id,
+                group.size,
+                per_worker,
+                group.members[-1].worker_id if group.members else "",
+                policy,
+                self.settings.retry_after_s,
+                fresh_tried=True,
+            )
+            worker, shared = choice.worker, choice.shared
         session = SessionRecord(
             group_id=group.group_id,
             index=len(group.members),
@@ -823,7 +834,7 @@ class SessionRouter:
             request_id=request_id,
             metadata=metadata,
             create_time=self.clock.wall(),
-            shared_worker=choice.shared,
+            shared_worker=shared,
             start_version=worker.policy_version,
             min_version=worker.policy_version,
             max_version=worker.policy_version,
@@ -831,11 +842,9 @@ class SessionRouter:
         if self.groups.find(group.group_id) is group:
             self.groups.member_joined(group, metadata)
         group.members.append(session)
-        group.members_per_worker[worker.worker_id] = (
-            group.members_per_worker.get(worker.worker_id, 0) + 1
-        )
+        per_worker[worker.worker_id] = per_worker.get(worker.worker_id, 0) + 1
         self.workers.add_session(worker, session)
-        if choice.shared:
+        if shared:
             self.stats.sessions_shared += 1
         else:
             self.stats.sessions_distinct += 1

@@ -409,7 +409,20 @@ class WorkerRegistry:
         """Counts a session placed on ``worker``."""
         was_eligible = worker.eligible
         worker.open_sessions.add(session)
-        self._changed(worker, was_eligible)
+        if not was_eligible or len(worker.open_sessions) >= worker.capacity:
+            self._changed(worker, was_eligible)
+            return
+        # The usual placement: still eligible, only its load rose, so no pool's count or
+        # capacity moves; each pool it is in gets its fresh entry (what _changed would do).
+        worker.version += 1
+        entry = _entry(worker)
+        labels = worker.labels
+        limit = 4 * len(self._workers) + 64
+        for pool in self._pools.values():
+            if matches(labels, pool.selector):
+                heapq.heappush(pool.heap, entry)
+                if len(pool.heap) > limit:
+                    self._rebuild(pool)
 
     def release_session(self, worker_id: str, session: PlacedSession) -> None:
         """Frees the slot of a session that ended (rewarded, aborted, group closed).
