@@ -72,7 +72,9 @@ def serve(args: Sequence[str], timeout_s: float = 30.0) -> Iterator[Server]:
             )
         try:
             deadline = time.monotonic() + timeout_s
-            while not port_file.exists():
+            # Not only "exists": a server that writes the file in place (the ack-only one)
+            # can be seen between its creation and its write, with no port in it yet.
+            while not (port_file.exists() and port_file.read_text().strip()):
                 if proc.poll() is not None:
                     err = log.read_text(errors="replace")
                     raise RuntimeError(f"server exited with {proc.returncode}: {err[-2000:]}")
