@@ -409,20 +409,7 @@ class WorkerRegistry:
         """Counts a session placed on ``worker``."""
         was_eligible = worker.eligible
         worker.open_sessions.add(session)
-        if not was_eligible or len(worker.open_sessions) >= worker.capacity:
-            self._changed(worker, was_eligible)
-            return
-        # The usual placement: still eligible, only its load rose, so no pool's count or
-        # capacity moves; each pool it is in gets its fresh entry (what _changed would do).
-        worker.version += 1
-        entry = _entry(worker)
-        labels = worker.labels
-        limit = 4 * len(self._workers) + 64
-        for pool in self._pools.values():
-            if matches(labels, pool.selector):
-                heapq.heappush(pool.heap, entry)
-                if len(pool.heap) > limit:
-                    self._rebuild(pool)
+        self._changed(worker, was_eligible)
 
     def release_session(self, worker_id: str, session: PlacedSession) -> None:
         """Frees the slot of a session that ended (rewarded, aborted, group closed).
@@ -515,6 +502,21 @@ class WorkerRegistry:
         before_capacity = old_capacity or worker.capacity
         entry = _entry(worker) if eligible else None
         limit = 4 * len(self._workers) + 64
+        steady = (
+            was_eligible
+            and eligible
+            and before_labels is labels
+            and before_capacity == worker.capacity
+        )
+        if steady:
+            # The usual change (a placement, a heartbeat): eligible before and after, same
+            # labels and capacity, so no pool's count or capacity moves; each pool it is in
+            # only gets its fresh entry.
+            assert entry is not None
+            for pool in self._pools.values():
+                if matches(labels, pool.selector):
+                    self._push(pool, entry, limit)
+            return
         for pool in self._pools.values():
             selector = pool.selector
             match = matches(labels, selector)
@@ -529,9 +531,14 @@ class WorkerRegistry:
                 pool.eligible_count += 1
                 pool.eligible_capacity += worker.capacity
                 assert entry is not None
-                heapq.heappush(pool.heap, entry)
-                if len(pool.heap) > limit:
-                    self._rebuild(pool)
+                self._push(pool, entry, limit)
+
+    def _push(self, pool: WorkerPool, entry: _HeapEntry, limit: int) -> None:
+        """Pushes a worker's fresh heap entry into ``pool``, rebuilding a heap that stale
+        entries grew beyond ``limit``."""
+        heapq.heappush(pool.heap, entry)
+        if len(pool.heap) > limit:
+            self._rebuild(pool)
 
     def _rebuild(self, pool: WorkerPool) -> None:
         pool.heap = [
