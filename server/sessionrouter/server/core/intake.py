@@ -218,11 +218,12 @@ def _split_handles(handles: list[int]) -> tuple[list[int], list[int], NDArray[np
         starts = [i for i in range(len(seqs)) if i == 0 or seqs[i] != seqs[i - 1]]
         indices = np.array([h & _INDEX_MASK for h in handles], dtype=np.uint64)
         return starts, [seqs[i] for i in starts], indices
+    # Few NumPy calls: at a few hundred entries a call's own overhead is what this costs.
     shifted = column >> np.uint64(HANDLE_INDEX_BITS)
-    run_starts = np.flatnonzero(np.concatenate(([True], shifted[1:] != shifted[:-1])))
+    starts = [0, *((shifted[1:] != shifted[:-1]).nonzero()[0] + 1).tolist()]
     return (
-        run_starts.tolist(),
-        shifted[run_starts].tolist(),
+        starts,
+        [handles[i] >> HANDLE_INDEX_BITS for i in starts],
         column & np.uint64(_INDEX_MASK),
     )
 
@@ -336,14 +337,8 @@ def uniform(batch: RewardBatch, find_seq: Callable[[int], GroupRecord | None]) -
     values = np.asarray(batch.rewards, dtype=np.float64)
     if not _MAX.reduce(np.abs(values)) <= MAX_REWARD_MAGNITUDE:  # NaN fails this too
         return None
-    try:
-        column = np.asarray(handles, dtype=np.int64)
-    except (OverflowError, TypeError, ValueError):
-        return None
-    seq_column = column >> HANDLE_INDEX_BITS
-    n = len(handles)
-    bounds: list[int] = [0, *((seq_column[1:] != seq_column[:-1]).nonzero()[0] + 1).tolist(), n]
-    seqs = [handles[i] >> HANDLE_INDEX_BITS for i in bounds[:-1]]
+    starts, seqs, indices = _split_handles(handles)
+    bounds = [*starts, len(handles)]
     if len(set(seqs)) != len(seqs):
         return None  # a group's entries are not consecutive
     groups: list[GroupRecord] = []
@@ -366,7 +361,7 @@ def uniform(batch: RewardBatch, find_seq: Callable[[int], GroupRecord | None]) -
         groups.append(group)
     if arena is None:
         return None
-    slots = column & _INDEX_MASK
+    slots = indices.astype(np.intp)
     if not _MAX.reduce(slots) < size:
         return None
     rows = np.array([g.arena_row for g in groups], dtype=np.intp).repeat(
