@@ -596,8 +596,7 @@ class SessionRouter:
             session = self.groups.find_session(group_id, index)
             if group is not None and session is not None and session.state is SessionState.OPEN:
                 session.worker_lost = True
-                if group is not None:
-                    group.lost += 1
+                group.lost += 1
                 if self.journal is not None:
                     self.journal.append(SessionLost(group.seq, index))
                 if group.state is GroupState.OPEN:
