@@ -342,16 +342,15 @@ class SqliteJournal:
         waiting, on a busy loop) when its window ends, no caller joined it for
         ``BATCH_QUIET_S`` or it is full."""
         assert self._loop is not None
-        self._joined_at = now = self._loop.time()
-        end = min(self._next_at + self.batch_window_s, now + BATCH_QUIET_S)
-        if end <= now or len(self._pending) >= BATCH_MAX_EVENTS:
+        self._joined_at = self._loop.time()
+        if len(self._pending) >= BATCH_MAX_EVENTS:
             self._dispatch()
         else:
-            self._window = self._loop.call_at(end, self._window_check)
+            self._window_check()
 
     def _window_check(self) -> None:
-        """The window's timer: starts the batch once its window ended or no caller joined it
-        for ``BATCH_QUIET_S``, else looks again then."""
+        """The window's timer (and its first look): starts the batch once its window ended
+        or no caller joined it for ``BATCH_QUIET_S``, else looks again then."""
         assert self._loop is not None
         self._window = None
         end = min(self._next_at + self.batch_window_s, self._joined_at + BATCH_QUIET_S)
