@@ -103,38 +103,45 @@ whose writes fail."""
 
 
 class _Durable:
-    """Awaitable for one journal batch. Shielded: a caller that is cancelled while waiting
-    (its client went away) must not cancel the batch every other caller waits for. Each
-    caller awaits a future of its own that the batch resolves (what ``asyncio.shield``
-    does, with one callback and one loop turn less per caller: every StartSession and
-    reward request awaits one)."""
+    """Awaitable for one journal batch, shared by every caller of that batch. Shielded: a
+    caller that is cancelled while waiting (its client went away) must not cancel the batch
+    every other caller waits for, so each caller awaits a future of its own. The batch
+    resolves all of them in one done-callback (``_settle``), not one callback per caller:
+    every StartSession and reward request awaits one, and a busy loop's batch holds about
+    ten of them."""
 
-    __slots__ = ("_batch",)
+    __slots__ = ("_waiters", "batch")
 
     def __init__(self, batch: asyncio.Future[None]) -> None:
-        self._batch = batch
+        self.batch = batch
+        self._waiters: list[asyncio.Future[None]] = []
+        batch.add_done_callback(self._settle)
 
     def __await__(self) -> Generator[Any, None, None]:
-        batch = self._batch
+        batch = self.batch
         if batch.done():
             batch.result()  # raises what failed it
             return None
         waiter: asyncio.Future[None] = batch.get_loop().create_future()
-        batch.add_done_callback(functools.partial(_relay, waiter))
+        self._waiters.append(waiter)
         yield from waiter
         return None
 
-
-def _relay(waiter: asyncio.Future[None], batch: asyncio.Future[None]) -> None:
-    """Passes a batch's outcome to one caller's future, unless that caller left."""
-    if waiter.done():
-        return
-    if batch.cancelled():
-        waiter.cancel()
-    elif (error := batch.exception()) is not None:
-        waiter.set_exception(error)
-    else:
-        waiter.set_result(None)
+    def _settle(self, batch: asyncio.Future[None]) -> None:
+        """Passes the batch's outcome to every caller's future, except those that left."""
+        waiters, self._waiters = self._waiters, []
+        if batch.cancelled():
+            for waiter in waiters:
+                waiter.cancel()
+            return
+        error = batch.exception()
+        for waiter in waiters:
+            if waiter.done():
+                continue
+            if error is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(error)
 
 
 class SqliteJournal:
@@ -204,6 +211,8 @@ class SqliteJournal:
         self._next: asyncio.Future[None] | None = None
         self._inflight: asyncio.Future[None] | None = None
         self._done: asyncio.Future[None] | None = None
+        self._durable: _Durable | None = None
+        """The awaitable of the batch ``commit`` last answered with (one per batch)."""
         self._error: Unavailable | None = None
         self._held: tuple[Batch, bytes, asyncio.Future[None], BaseException] | None = None
         """The batch whose INSERT failed for lack of space, retried by ``_retry``."""
@@ -305,14 +314,21 @@ class SqliteJournal:
             elif self._window is not None:
                 self._joined_at = self._loop.time()  # type: ignore[union-attr]
                 if len(self._pending) >= BATCH_MAX_EVENTS:
-                    batch = self._next
+                    durable = self._durable_of(self._next)
                     self._dispatch_if_idle()  # full: it waits for no more callers
-                    return _Durable(batch)
-            return _Durable(self._next)
+                    return durable
+            return self._durable_of(self._next)
         if self._inflight is not None:
-            return _Durable(self._inflight)
+            return self._durable_of(self._inflight)
         assert self._done is not None, "journal not started"
         return self._done
+
+    def _durable_of(self, batch: asyncio.Future[None]) -> _Durable:
+        """The one awaitable every caller of ``batch`` gets."""
+        durable = self._durable
+        if durable is None or durable.batch is not batch:
+            durable = self._durable = _Durable(batch)
+        return durable
 
     def kick(self) -> None:
         """Starts writing what was appended without anyone committing (worker-lost marks
@@ -538,7 +554,7 @@ class SqliteJournal:
                 self._written(batch, error)
             if self._inflight is not None:  # its durability step was cut short by a failure
                 with contextlib.suppress(BaseException):
-                    await _Durable(self._inflight)
+                    await self._durable_of(self._inflight)
             if self._fsync is not None:
                 await self._fsync.stop()
             if self._error is None:
