@@ -6,7 +6,10 @@ per request on each side of ``os.fdatasync`` (which releases the GIL), so it wai
 GIL twice per batch at most, where a thread that also ran the INSERT and its bookkeeping
 waited for it at every step.
 
-A request may also ask for a checkpoint, run after the fsync and before the answer: the loop
+A request may carry the journal's new count of durable events: the thread rewrites the
+COMMITTED file with it (a ``pwrite``, GIL-free) right after the fsync, so the loop does not
+make that system call once per batch. A request may also ask for a checkpoint, run after
+the fsync and before the answer: the loop
 writes nothing while its batch waits for this answer, so the checkpoint copies the whole WAL
 and the loop's next INSERT starts the WAL over. SQLite's automatic checkpoint would instead
 run on the loop, inside an INSERT. A failed checkpoint does not fail the batch (its commits
@@ -29,18 +32,22 @@ class FsyncThread:
     """Runs ``sync`` (blocking, GIL-free) on its own thread; ``request()`` returns a future
     of the running loop that resolves when a ``sync`` started after the request returns,
     or fails with what it raised. Requests are served in order, one ``sync`` each; a request
-    with ``checkpoint`` runs ``checkpoint`` too, after its ``sync`` and before it resolves."""
+    with ``committed`` then runs ``record(committed)`` (a failure fails the request like a
+    failed ``sync``), and one with ``checkpoint`` runs ``checkpoint`` too, after its
+    ``sync`` and before it resolves."""
 
     def __init__(
         self,
         sync: Callable[[], None],
         loop: asyncio.AbstractEventLoop,
         checkpoint: Callable[[], int] | None = None,
+        record: Callable[[int], None] | None = None,
     ) -> None:
         self._sync = sync
         self._checkpoint = checkpoint
+        self._record = record
         self._loop = loop
-        self._requests: queue.SimpleQueue[tuple[asyncio.Future[None], bool] | None] = (
+        self._requests: queue.SimpleQueue[tuple[asyncio.Future[None], bool, int | None] | None] = (
             queue.SimpleQueue()
         )
         self._checkpoint_failed = False
@@ -49,9 +56,11 @@ class FsyncThread:
         self._thread = threading.Thread(target=self._run, name="journal-fsync", daemon=True)
         self._thread.start()
 
-    def request(self, checkpoint: bool = False) -> asyncio.Future[None]:
+    def request(
+        self, checkpoint: bool = False, committed: int | None = None
+    ) -> asyncio.Future[None]:
         done = self._loop.create_future()
-        self._requests.put((done, checkpoint))
+        self._requests.put((done, checkpoint, committed))
         return done
 
     async def stop(self) -> None:
@@ -61,10 +70,12 @@ class FsyncThread:
 
     def _run(self) -> None:
         while (request := self._requests.get()) is not None:
-            done, checkpoint = request
+            done, checkpoint, committed = request
             error: BaseException | None = None
             try:
                 self._sync()
+                if committed is not None and self._record is not None:
+                    self._record(committed)
             except BaseException as exc:  # every failure must reach the waiter
                 error = exc
             if checkpoint and error is None and self._checkpoint is not None:

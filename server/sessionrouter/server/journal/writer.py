@@ -9,7 +9,8 @@ calls the loop runs in one turn share a batch too.
 A batch is written by the loop itself: ONE autocommit ``INSERT`` of the encoded batch into
 ``log`` with ``synchronous=NORMAL``, which only reaches the WAL in the page cache (tens of
 microseconds). With ``sync=full`` the batch's waiters are answered once the fsync thread's
-``fdatasync`` of the WAL returns (``FsyncThread``); with ``normal`` at the next turn of the
+``fdatasync`` of the WAL returns (``FsyncThread``, which then also rewrites COMMITTED, a
+``pwrite`` the loop would otherwise make per batch); with ``normal`` at the next turn of the
 loop. About every ``CHECKPOINT_PAGES`` WAL pages (and after each fold) the fsync thread
 also checkpoints the WAL from its own connection, after the fsync and before the answer, when
 the loop has nothing in flight: SQLite's automatic checkpoint is off, since it would run on
@@ -282,7 +283,9 @@ class SqliteJournal:
         self._sample_at, self._sample_cpu = self._loop.time(), time.thread_time()
         if full:
             tables = self._tables
-            self._fsync = FsyncThread(tables.sync_log, self._loop, tables.checkpoint_log)
+            self._fsync = FsyncThread(
+                tables.sync_log, self._loop, tables.checkpoint_log, tables.files.record
+            )
 
     def append(self, event: Event) -> None:
         if type(event) is RewardSaved:
@@ -416,18 +419,22 @@ class SqliteJournal:
         self._space_back()
         self._unfolded.extend(events)
         self._wal_pages += 1 + len(row) // self._tables.page_size
-        durable = self._tables.durable(self._sync)
+        durable = self._tables.durable(
+            functools.partial(self._sync, self._durable_events + len(events))
+        )
         step = durable if isinstance(durable, asyncio.Future) else asyncio.ensure_future(durable)
         step.add_done_callback(
             functools.partial(self._synced, batch, started, len(events), len(row))
         )
 
-    def _sync(self) -> asyncio.Future[None]:
+    def _sync(self, committed: int) -> asyncio.Future[None]:
+        """The batch's durability step; ``committed``: the durable events once it is done,
+        which the fsync thread records in COMMITTED after its fsync."""
         if self._fsync is not None:
             checkpoint = self._wal_pages >= CHECKPOINT_PAGES
             if checkpoint:
                 self._wal_pages = 0
-            return self._fsync.request(checkpoint)
+            return self._fsync.request(checkpoint, committed)
         assert self._done is not None
         return self._done  # ``normal``: in the page cache is as far as it goes
 
@@ -466,7 +473,8 @@ class SqliteJournal:
             assert batch is not None
             self._durable_events += events
             try:
-                self._tables.files.record(self._durable_events)
+                if self._fsync is None:  # with one, its thread recorded it after the fsync
+                    self._tables.files.record(self._durable_events)
             except OSError as exc:
                 error = exc
             else:
