@@ -81,7 +81,7 @@ class FsyncThread:
             if checkpoint and error is None and self._checkpoint is not None:
                 self._run_checkpoint(self._checkpoint)
             try:
-                self._loop.call_soon_threadsafe(_settle, done, error)
+                self._loop.call_soon_threadsafe(settle, done, error)
             except RuntimeError:  # the loop is closed: nobody waits any more
                 return
 
@@ -114,7 +114,9 @@ class FsyncThread:
         )
 
 
-def _settle(done: asyncio.Future[None], error: BaseException | None) -> None:
+def settle(done: asyncio.Future[None], error: BaseException | None) -> None:
+    """Resolves ``done`` with ``error`` (None: success), unless it is done already (its
+    waiter left)."""
     if done.done():
         return
     if error is None:

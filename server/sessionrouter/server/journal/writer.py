@@ -55,7 +55,7 @@ from sessionrouter.server.core.errors import Unavailable
 from sessionrouter.server.core.events import Event, GroupFinalized, RecoveredState, RewardSaved
 from sessionrouter.server.journal.errors import JournalError
 from sessionrouter.server.journal.fold import Rewards, fold
-from sessionrouter.server.journal.fsync_thread import FsyncThread
+from sessionrouter.server.journal.fsync_thread import FsyncThread, settle
 from sessionrouter.server.journal.logrows import Batch, Finalized, LoggedEvent
 from sessionrouter.server.journal.tables import CHECKPOINT_PAGES, JournalTables, SyncMode
 
@@ -137,12 +137,7 @@ class _Durable:
             return
         error = batch.exception()
         for waiter in waiters:
-            if waiter.done():
-                continue
-            if error is None:
-                waiter.set_result(None)
-            else:
-                waiter.set_exception(error)
+            settle(waiter, error)
 
 
 class SqliteJournal:
