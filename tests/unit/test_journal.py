@@ -303,7 +303,8 @@ async def test_commits_of_one_loop_turn_share_one_batch_counted_on_the_loop(
         journal.append(WorkerSaved(f"w{i}", f"10.0.0.{i}:1", 1, {}, False, 0.0))
         waits.append(journal.commit())
     await waits[0]
-    # Counted, in COMMITTED too, on the loop, before the first waiter woke.
+    # Counted on the loop, and in COMMITTED (written by the fsync thread after its fdatasync),
+    # before the first waiter woke.
     assert journal.batches == 1 and journal.events == 5
     assert (tmp_path / COMMITTED_FILE).read_text().strip() == "5".zfill(20)
     assert len(committed) == 1
@@ -314,6 +315,23 @@ async def test_commits_of_one_loop_turn_share_one_batch_counted_on_the_loop(
     reopened = SqliteJournal(tmp_path)
     assert len(reopened.load().workers) == 5
     reopened.close_now()
+
+
+@pytest.mark.parametrize("sync", [SyncMode.FULL, SyncMode.NORMAL])
+async def test_committed_holds_the_durable_events_once_a_caller_is_answered(
+    tmp_path: Path, sync: SyncMode
+) -> None:
+    """With ``full`` the fsync thread writes COMMITTED, with ``normal`` (no thread) the loop:
+    either way before the batch's callers are answered."""
+    journal = SqliteJournal(tmp_path, sync=sync)
+    journal.start()
+    for batch in range(1, 4):
+        for i in range(batch):
+            journal.append(WorkerSaved(f"w{batch}-{i}", "a:1", 1, {}, False, 0.0))
+        await journal.commit()
+        assert (tmp_path / COMMITTED_FILE).read_text().strip() == str(journal.events).zfill(20)
+    assert journal.events == 6 and journal.batches == 3
+    await journal.close()
 
 
 async def test_a_committed_file_that_cannot_be_written_fails_the_journal(tmp_path: Path) -> None:
