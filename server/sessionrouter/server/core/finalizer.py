@@ -73,6 +73,8 @@ _EMPTY.flags.writeable = False
 _NO_VERSIONS = np.zeros(0, dtype=np.uint64)
 _NO_VERSIONS.flags.writeable = False
 _DROPPED = DROPPED_CODE
+_NO_POSITIONS = np.zeros(0, dtype=np.intp)
+_NO_NUMBERS = np.zeros(0, dtype=np.int64)
 _GROUP_ID = attrgetter("group_id")
 _TASK_ID = attrgetter("task_id")
 
@@ -150,7 +152,7 @@ class FinalizedBatch:
     """One micro-batch of finished groups as arrays: G groups in cursor order, N counted
     rewards in all. Every array is read-only.
 
-    - ``groups``: the G group records, in cursor order.
+    - ``groups``: the G group records, in cursor order (the queue's list, not copied).
     - ``special``: position -> the ``FinishedGroup`` a group was queued with, for the
       groups not queued complete (partial, dropped, replaced members: what their
       ``FinishedGroup`` says cannot be read from the record alone). ``finished`` gives every
@@ -180,7 +182,7 @@ class FinalizedBatch:
     its groups as columns (``columns``, built once) or as ``GroupResult`` objects.
     """
 
-    groups: tuple[GroupRecord, ...]
+    groups: Sequence[GroupRecord]
     special: Mapping[int, FinishedGroup]
     finalize_times: NDArray[np.float64]
     trainer_versions: NDArray[np.uint64]
@@ -512,13 +514,22 @@ class _Publication:
 
     batch: FinalizedBatch
     flows: list[RewardFlow]
-    owed: array[int]
+    owed: NDArray[np.intp]
     """Positions in the batch of the groups a stream is owed, increasing."""
-    flow_of: array[int]
+    flow_of: NDArray[np.int64]
     """Per owed group: its stream's position in ``flows``."""
-    requests: array[int]
+    requests: NDArray[np.int64]
     """Per owed group: the number of the request (in its flow) whose reward finished it."""
     end_number: int
+
+
+def _runs(starts: array[int], counts: array[int]) -> NDArray[np.intp]:
+    """The positions ``starts[k]``, ``starts[k] + 1``, ... (``counts[k]`` of them) of every
+    run k, in order, as one array: O(runs) Python."""
+    start = np.frombuffer(starts, dtype=np.int64)
+    count = np.frombuffer(counts, dtype=np.int64)
+    ends = np.cumsum(count)
+    return (np.repeat(start - (ends - count), count) + np.arange(int(ends[-1]))).astype(np.intp)
 
 
 class GroupFinalizer:
@@ -550,7 +561,7 @@ class GroupFinalizer:
         self.book = book or CursorBook()
         """Where the groups' cursors are read from: the ledger's (``GroupRecord.cursor``)."""
         self._submitted = 0
-        """Finish numbers given so far (``GroupRecord.finish_number``)."""
+        """Finish numbers given so far (``CursorBook``)."""
         self._reduced = 0
         """Finish numbers reduced so far: the next batch starts at this one."""
         self._pending: list[GroupRecord] = []
@@ -558,18 +569,26 @@ class GroupFinalizer:
         self._special: dict[int, FinishedGroup] = {}
         """Position in ``_pending`` -> the ``FinishedGroup`` of a group queued by ``submit``
         (those queued by ``submit_complete`` have none)."""
+        # The queue as runs: one per call (a ``submit`` is a run of one group), so that a
+        # call costs O(1) Python whatever its groups; a batch expands them with NumPy.
+        self._counts = array("q")
+        """Per run: its groups."""
         self._times = array("d")
-        """Per queued group: when it finished (Unix seconds)."""
+        """Per run: when its groups finished (Unix seconds)."""
         self._versions = array("q")
-        """Per queued group: the trainer's version when it finished."""
+        """Per run: the trainer's version when its groups finished."""
         self._keys = array("q")
-        """Per queued group: its ``reduce_key`` when complete without replacements, else -1."""
+        """Per run: its groups' ``reduce_key`` when they are complete without replacements
+        and share one, else -1."""
         self._rows = array("q")
         """Per queued group: its arena row (-1 without one); an array, so that the batch
         reads it as an index array without converting an int per group."""
-        self._owed = array("q")
+        self._owed_starts = array("q")
+        self._owed_counts = array("q")
+        """Runs of groups owed to a stream: first position in the queue, how many."""
         self._flow_of = array("q")
         self._requests = array("q")
+        """Per owed run: its stream's number, the request (in that stream) that finished it."""
         self._flow_numbers: dict[RewardFlow, int] = {}
         """The streams owed results of the queued groups, numbered in ``_flow_of``."""
         self._record_bytes = 0
@@ -601,25 +620,21 @@ class GroupFinalizer:
         group's place in the batch, the stream owed its result and its bytes go into arrays
         here, so that the batch needs no pass over its groups."""
         group = finished.group
-        origin = finished.origin
         position = len(self._pending)
-        if origin is not None:
-            flow = origin.flow
-            flow.expect_groups(1)
-            self._owed.append(position)
-            self._flow_of.append(self._flow_numbers.setdefault(flow, len(self._flow_numbers)))
-            self._requests.append(origin.request)
+        if finished.origin is not None:
+            self._owe(finished.origin, position, 1)
         self._pending.append(group)
         self._special[position] = finished
-        self._times.append(finished.finalize_time)
-        self._versions.append(finished.trainer_version)
         regular = finished.outcome is GroupOutcome.COMPLETE and not group.replaced
-        self._keys.append(group.reduce_key if regular else -1)
+        self._run(
+            1,
+            finished.finalize_time,
+            finished.trainer_version,
+            group.reduce_key if regular else -1,
+        )
         self._rows.append(group.arena_row if group.arena is not None else -1)
         if group.with_metrics:
             self._metric_groups += 1
-        group.finish_number = self._submitted
-        self._submitted += 1
         self._record_bytes += group.memory_bytes
         self._members += group.size + group.replaced  # at most: some may never have joined
         self._wake.set()
@@ -630,46 +645,85 @@ class GroupFinalizer:
         origin: StreamOrigin | None,
         finalize_time: float,
         trainer_version: int,
+        rows: NDArray[np.intp] | None = None,
+        record_bytes: int = 0,
     ) -> None:
         """Queues groups that finished complete, every member rewarded and none replaced
         (what one request of rewards completes, in finish order), in one call: no
         ``FinishedGroup`` or other object per group, only their places in the arrays (a
-        batch makes a group's ``FinishedGroup`` only for a consumer that asks for it)."""
+        batch makes a group's ``FinishedGroup`` only for a consumer that asks for it).
+
+        ``rows`` given: the caller holds what the queue needs of the groups (the router's
+        whole-request path): their arena rows, intp (G,), all in one arena whose ``key``
+        is not -1 (so they reduce together), and the sum of their ``memory_bytes``. Then
+        the call reads no group record but the first: O(1) Python. Otherwise it reads
+        each record."""
         count = len(groups)
         if not count:
             return
-        position = len(self._pending)
         if origin is not None:
-            flow = origin.flow
-            flow.expect_groups(count)
-            self._owed.extend(range(position, position + count))
-            number = self._flow_numbers.setdefault(flow, len(self._flow_numbers))
-            self._flow_of.extend([number] * count)
-            self._requests.extend([origin.request] * count)
+            self._owe(origin, len(self._pending), count)
         self._pending += groups
-        self._times.extend(array("d", [finalize_time]) * count)
-        self._versions.extend(array("q", [trainer_version]) * count)
+        first = groups[0]
+        arena = first.arena
+        if rows is not None and arena is not None and arena.key >= 0:
+            # The run, written out here: this is the call made once per request.
+            self._counts.append(count)
+            self._times.append(finalize_time)
+            self._versions.append(trainer_version)
+            self._keys.append(arena.key)
+            self._rows.frombytes(rows.astype(np.int64, copy=False).tobytes())
+            self._submitted += count
+            self._record_bytes += record_bytes
+            self._members += count * first.size
+            if arena.has_metrics:  # some may have one: the batch looks (none is NaN)
+                self._metric_groups += count
+            self._wake.set()
+            return
         # One pass over the groups, each record read once (a pass per field costs a cache
         # miss per group each time once the groups outnumber the cache).
-        keys, rows = [], []
-        number = self._submitted
+        keys, at = [], []
         record_bytes = members = metric_groups = 0
         for group in groups:
             keys.append(group.reduce_key)
-            rows.append(group.arena_row)
-            group.finish_number = number
-            number += 1
+            at.append(group.arena_row)
             record_bytes += group.memory_bytes
             members += group.size
             if group.with_metrics:
                 metric_groups += 1
-        self._keys.extend(keys)
-        self._rows.extend(rows)
-        self._submitted = number
+        head = keys[0]
+        if keys.count(head) == count:
+            self._run(count, finalize_time, trainer_version, head)
+        else:
+            for key in keys:
+                self._run(1, finalize_time, trainer_version, key)
+        self._rows.extend(at)
         self._record_bytes += record_bytes
         self._members += members
         self._metric_groups += metric_groups
         self._wake.set()
+
+    def _run(
+        self,
+        count: int,
+        finalize_time: float,
+        trainer_version: int,
+        key: int,
+    ) -> None:
+        self._counts.append(count)
+        self._times.append(finalize_time)
+        self._versions.append(trainer_version)
+        self._keys.append(key)
+        self._submitted += count
+
+    def _owe(self, origin: StreamOrigin, position: int, count: int) -> None:
+        """The ``count`` groups queued from ``position`` on are owed to ``origin``'s stream."""
+        flow = origin.flow
+        flow.expect_groups(count)
+        self._owed_starts.append(position)
+        self._owed_counts.append(count)
+        self._flow_of.append(self._flow_numbers.setdefault(flow, len(self._flow_numbers)))
+        self._requests.append(origin.request)
 
     def reduce_queued(self) -> FinalizedBatch | None:
         """The array half of ``drain``: reduces everything queued now and gives the groups
@@ -679,11 +733,13 @@ class GroupFinalizer:
         ``publish`` before the next one is reduced, or its cursors are given out again."""
         finished, self._pending = self._pending, []
         special, self._special = self._special, {}
+        counts, self._counts = self._counts, array("q")
         times, self._times = self._times, array("d")
         versions, self._versions = self._versions, array("q")
         keys, self._keys = self._keys, array("q")
-        rows, self._rows = self._rows, array("q")
-        owed, self._owed = self._owed, array("q")
+        row_array, self._rows = self._rows, array("q")
+        owed_starts, self._owed_starts = self._owed_starts, array("q")
+        owed_counts, self._owed_counts = self._owed_counts, array("q")
         flow_of, self._flow_of = self._flow_of, array("q")
         requests, self._requests = self._requests, array("q")
         flows, self._flow_numbers = list(self._flow_numbers), {}
@@ -703,17 +759,23 @@ class GroupFinalizer:
             )
         self._reduced += len(finished)
         cursors = np.arange(first, first + len(finished), dtype=np.int64)
+        groups: Sequence[GroupRecord] = finished  # not copied: nothing changes it any more
+        self.book.defer(number, groups)  # the records learn their numbers if asked
+        run_counts = np.frombuffer(counts, dtype=np.int64)
+        run_keys = np.frombuffer(keys, dtype=np.int64)
+        finalize_times = np.repeat(np.frombuffer(times, dtype=np.float64), run_counts)
+        trainer_versions = np.repeat(
+            np.frombuffer(versions, dtype=np.int64).astype(np.uint64), run_counts
+        )
+        rows = np.frombuffer(row_array, dtype=np.int64).astype(np.intp, copy=False)
         head = keys[0]
-        key_array = np.frombuffer(keys, dtype=np.int64)
-        groups = tuple(finished)
-        finalize_times = np.frombuffer(times, dtype=np.float64)
-        trainer_versions = np.frombuffer(versions, dtype=np.int64).astype(np.uint64)
         made: tuple[FinishedGroup, ...] | None = None
-        if head >= 0 and bool((key_array == head).all()):
+        if head >= 0 and bool((run_keys == head).all()):
             batch = self._reduce_uniform(groups, rows, cursors, with_metrics > 0)
         else:
             made = finished_groups(groups, special, finalize_times, trainer_versions)
-            batch = self._reduce_general(made, keys, rows, cursors)
+            group_keys = np.repeat(run_keys, run_counts).tolist()
+            batch = self._reduce_general(made, group_keys, rows.tolist(), cursors)
         batch = dataclasses.replace(
             batch,
             groups=groups,
@@ -726,13 +788,21 @@ class GroupFinalizer:
         batch._memo.finished = made
         batch.freeze()
         self.degenerate += int(np.count_nonzero(batch.degenerate & (batch.outcome != _DROPPED)))
-        self._taken = _Publication(batch, flows, owed, flow_of, requests, self._reduced)
+        if flows:
+            owed = _runs(owed_starts, owed_counts)
+            owed_count = np.frombuffer(owed_counts, dtype=np.int64)
+            flow_numbers = np.repeat(np.frombuffer(flow_of, dtype=np.int64), owed_count)
+            request_numbers = np.repeat(np.frombuffer(requests, dtype=np.int64), owed_count)
+        else:
+            owed, flow_numbers = _NO_POSITIONS, _NO_NUMBERS
+            request_numbers = _NO_NUMBERS
+        self._taken = _Publication(batch, flows, owed, flow_numbers, request_numbers, self._reduced)
         return batch
 
     def _reduce_uniform(
         self,
-        groups: tuple[GroupRecord, ...],
-        rows: array[int],
+        groups: Sequence[GroupRecord],
+        at: NDArray[np.intp],
         cursors: NDArray[np.int64],
         with_metrics: bool,
     ) -> FinalizedBatch:
@@ -741,7 +811,6 @@ class GroupFinalizer:
         group = groups[0]
         arena = group.arena
         assert arena is not None  # a reduce_key is only given with an arena row
-        at = np.frombuffer(rows, dtype=np.int64).astype(np.intp, copy=False)
         matrix = np.take(arena.values, at, axis=0)  # faster than arena.values[at]
         reduced = self.reducer.reduce_matrix(matrix, group.settings.estimator)
         n_groups, n = matrix.shape
@@ -778,8 +847,8 @@ class GroupFinalizer:
     def _reduce_general(
         self,
         finished: tuple[FinishedGroup, ...],
-        keys: array[int],
-        rows: array[int],
+        keys: list[int],
+        rows: list[int],
         cursors: NDArray[np.int64],
     ) -> FinalizedBatch:
         """Any batch: regular groups gathered per arena, the others read from their records;
@@ -956,12 +1025,11 @@ def _deliver(publication: _Publication) -> None:
     """Hands each stream the positions of the groups it is owed (with the request that
     finished each), in cursor order: one call per stream, not per group."""
     batch, flows = publication.batch, publication.flows
-    owed = np.frombuffer(publication.owed, dtype=np.int64).astype(np.intp)
-    requests = np.frombuffer(publication.requests, dtype=np.int64).copy()
+    owed, requests = publication.owed, publication.requests
     if len(flows) == 1:
         flows[0].deliver_rows(ResultRows(batch, owed), requests)
         return
-    flow_of = np.frombuffer(publication.flow_of, dtype=np.int64)
+    flow_of = publication.flow_of
     order = np.argsort(flow_of, kind="stable")
     bounds = np.searchsorted(flow_of[order], np.arange(len(flows) + 1)).tolist()
     for number, flow in enumerate(flows):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import enum
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,6 +98,10 @@ class SessionRecord:
         return session_name(self.group_id, self.index)
 
 
+NO_KEY = -2
+"""``RewardArena.key`` before any group took a row."""
+
+
 class RewardArena:
     """Reward slots of the open groups of one size n.
 
@@ -109,12 +113,28 @@ class RewardArena:
     arrays double when full (row numbers stay valid).
     """
 
-    __slots__ = ("_free", "_free_chunks", "_next", "metrics", "values", "width")
+    __slots__ = (
+        "_free",
+        "_free_chunks",
+        "_next",
+        "has_metrics",
+        "key",
+        "metrics",
+        "values",
+        "width",
+    )
 
     def __init__(self, width: int, capacity: int = 64) -> None:
         if width < 1:
             raise ValueError(f"arena width must be at least 1, got {width}")
         self.width = width
+        self.key = NO_KEY
+        """The ``reduce_key`` of every group ever given a row here, or -1 once two differed
+        (``NO_KEY`` before the first): a request's groups of this arena need no look each
+        to be known to reduce together when it is not -1."""
+        self.has_metrics = False
+        """Some filter metric was ever written here (the finalizer then reads ``metrics``;
+        without one it knows every row of them is NaN)."""
         self.values: NDArray[np.float64] = np.full((capacity, width), np.nan)
         self.metrics: NDArray[np.float64] = np.full((capacity, width), np.nan)
         self._free: list[int] = []
@@ -172,20 +192,57 @@ def member_slots(group: GroupRecord) -> list[int]:
 
 
 class CursorBook:
-    """The cursors of finished groups, written once per published batch, not once per group.
+    """The cursors of finished groups, with no write per group on the way out.
 
     Groups are given cursors in the order they are handed to the finalizer: the group handed
-    on ``n``-th (``GroupRecord.finish_number``, from 0 in this process) gets cursor
-    ``base + n``. A group's cursor is visible (``GroupRecord.cursor``) once ``n`` is below
-    ``published``, which the finalizer raises after publishing each batch."""
+    on ``n``-th (its finish number, from 0 in this process) gets cursor ``base + n``, visible
+    once ``n`` is below ``published``, which the finalizer raises after publishing each
+    batch. The finalizer does not write each group's number into its record: it hands the
+    book each reduced batch's groups with the batch's first number (``defer``, once per
+    batch), and a record learns its number (``GroupRecord.finish_number``) only when a
+    consumer asks for a finished group's cursor (GetGroup, ListGroups): then every batch
+    deferred so far is numbered at once (``number_deferred``), O(groups) Python once per
+    group and only for a router that is asked.
 
-    __slots__ = ("base", "published")
+    The book keeps the deferred batches of the newest ``keep`` groups at least (the ledger's
+    ``finished_retention``: it never retains a finished group older than that) and lets
+    older ones go unnumbered: their records are forgotten by the ledger, and every other
+    consumer reads cursors from the batch's arrays."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_deferred", "_deferred_groups", "base", "keep", "published")
+
+    def __init__(self, keep: int = 0) -> None:
         self.base = 0
         """Cursor of finish number 0."""
         self.published = 0
         """Finish numbers below this are published."""
+        self.keep = keep
+        """Groups of deferred batches kept at least (older batches are let go unnumbered);
+        0 for a book no record reads (a finalizer's own when no ledger gave it one)."""
+        self._deferred: deque[tuple[int, Sequence[GroupRecord]]] = deque()
+        """(first finish number, groups in finish order) per reduced batch not numbered yet."""
+        self._deferred_groups = 0
+
+    @property
+    def deferred(self) -> int:
+        """Groups of reduced batches whose records do not know their finish number yet."""
+        return self._deferred_groups
+
+    def defer(self, first: int, groups: Sequence[GroupRecord]) -> None:
+        """Records that ``groups`` (one reduced batch, in finish order) have finish numbers
+        ``first``, ``first + 1``, ...: O(1), nothing written to the records."""
+        self._deferred.append((first, groups))
+        self._deferred_groups += len(groups)
+        deferred = self._deferred
+        while deferred and self._deferred_groups - len(deferred[0][1]) >= self.keep:
+            self._deferred_groups -= len(deferred.popleft()[1])
+
+    def number_deferred(self) -> None:
+        """Writes its finish number into every record of the deferred batches."""
+        deferred, self._deferred, self._deferred_groups = self._deferred, deque(), 0
+        for first, groups in deferred:
+            for number, group in enumerate(groups, first):
+                group.finish_number = number
 
 
 NO_VERSION = 1 << 64
@@ -247,15 +304,20 @@ class GroupRecord:
     counted_max_version: int = 0
     """Newest policy version of the rewarded members (0 before any reward)."""
     finish_number: int = -1
-    """Order in which the group was handed to the finalizer (``CursorBook``); -1 before."""
+    """Order in which the group was handed to the finalizer (``CursorBook``), written only
+    once a consumer asks for its ``cursor``; -1 before."""
     cursor_book: CursorBook | None = None
 
     @property
     def cursor(self) -> int:
-        """Position of the group's result on the feed; 0 until published."""
+        """Position of the group's result on the feed; 0 until published. A finished group
+        learns its finish number here, from its ``CursorBook``, the first time it is asked."""
         book = self.cursor_book
-        if book is not None and 0 <= self.finish_number < book.published:
-            return book.base + self.finish_number
+        if book is not None:
+            if self.finish_number < 0 and book.deferred and self.state is not GroupState.OPEN:
+                book.number_deferred()
+            if 0 <= self.finish_number < book.published:
+                return book.base + self.finish_number
         return self.restored_cursor
 
     @property
@@ -371,7 +433,7 @@ class GroupLedger:
         self.open_groups = 0
         self.arenas: dict[int, RewardArena] = {}
         """Reward slots of the open groups, by group size."""
-        self.cursor_book = CursorBook()
+        self.cursor_book = CursorBook(keep=finished_retention)
         """Where its groups' cursors are read from (the finalizer writes it)."""
         self._reduce_keys: dict[tuple[int, EstimatorParams], int] = {}
 
@@ -478,6 +540,8 @@ class GroupLedger:
             known = self._reduce_keys[key] = len(self._reduce_keys)
         # Past the bound (callers inventing params), a group is reduced by the general path.
         group.reduce_key = -1 if known is None else known
+        if arena.key != group.reduce_key:
+            arena.key = group.reduce_key if arena.key == NO_KEY else -1
         rewarded = [s for s in group.members if s.state is SessionState.REWARDED]
         if rewarded:
             self.record_rewards(group, rewarded)
@@ -511,6 +575,7 @@ class GroupLedger:
                     session.filter_metric
                 )
                 group.with_metrics += 1
+                arena.has_metrics = True
 
     @staticmethod
     def record_columns(

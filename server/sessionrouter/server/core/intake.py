@@ -292,6 +292,8 @@ class Uniform:
     - ``bounds``: (len(groups) + 1,) where each group's run starts, then n;
     - ``sessions``: (n,) entry i's session;
     - ``arena``: the arena all of them keep their rewards in (one group size);
+    - ``group_rows``: intp (len(groups),) each group's arena row (what the finalizer
+      gathers, handed on as it is for the groups the request completes);
     - ``rows``: intp (n,) entry i's arena row; ``slots``: int64 (n,) its member slot (its
       index: no group has a replaced member);
     - ``values``: float64 (n,) the rewards, ``rewards`` the same as Python floats.
@@ -301,6 +303,7 @@ class Uniform:
     bounds: list[int]
     sessions: list[SessionRecord]
     arena: RewardArena
+    group_rows: NDArray[np.intp]
     rows: NDArray[np.intp]
     slots: NDArray[np.intp]
     values: NDArray[np.float64]
@@ -364,9 +367,8 @@ def uniform(batch: RewardBatch, find_seq: Callable[[int], GroupRecord | None]) -
     slots = indices.astype(np.intp)
     if not _MAX.reduce(slots) < size:
         return None
-    rows = np.array([g.arena_row for g in groups], dtype=np.intp).repeat(
-        [bounds[k + 1] - bounds[k] for k in range(len(groups))]
-    )
+    group_rows = np.array([g.arena_row for g in groups], dtype=np.intp)
+    rows = group_rows.repeat([bounds[k + 1] - bounds[k] for k in range(len(groups))])
     if not _ALL.reduce(np.isnan(arena.values[rows, slots])):
         return None  # some member is rewarded already: DUPLICATE or CONFLICT
     places = rows * size + slots
@@ -378,4 +380,6 @@ def uniform(batch: RewardBatch, find_seq: Callable[[int], GroupRecord | None]) -
     for k, group in enumerate(groups):
         members = group.members
         sessions += [members[i] for i in index[bounds[k] : bounds[k + 1]]]
-    return Uniform(groups, bounds, sessions, arena, rows, slots, values, values.tolist())
+    return Uniform(
+        groups, bounds, sessions, arena, group_rows, rows, slots, values, values.tolist()
+    )

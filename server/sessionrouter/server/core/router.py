@@ -1147,7 +1147,15 @@ class SessionRouter:
             if group.rewarded == group.size == len(group.members):
                 completed.append(group)
         if completed:
-            self._finish_complete(completed, origin)
+            # What the finalizer's queue needs of them, while the records are in hand: their
+            # arena rows (``uniform`` found them) and bytes; it then reads none of them.
+            rows = request.group_rows
+            if len(completed) < len(rows):  # only some: the rows of those
+                rows = rows[[k for k, g in enumerate(request.groups) if g.rewarded == g.size]]
+            record_bytes = 0
+            for group in completed:  # a loop reads a slot faster than attrgetter
+                record_bytes += group.memory_bytes
+            self._finish_complete(completed, origin, rows, record_bytes)
         for worker_id, held in freed.items():
             self.workers.release_sessions(worker_id, held)
         n = len(sessions)
@@ -1219,10 +1227,17 @@ class SessionRouter:
                 finished += 1
         return finished
 
-    def _finish_complete(self, groups: list[GroupRecord], origin: StreamOrigin | None) -> None:
+    def _finish_complete(
+        self,
+        groups: list[GroupRecord],
+        origin: StreamOrigin | None,
+        rows: NDArray[np.intp] | None = None,
+        record_bytes: int = 0,
+    ) -> None:
         """``_finish`` for groups that are complete with every member rewarded and none
         replaced (nothing to release, nothing to exclude): one finalizer call for all of
-        them, with no per-group record built."""
+        them, with no per-group record built; ``rows`` and the rest as
+        ``GroupFinalizer.submit_complete`` takes them, when the caller holds them."""
         now = self.clock.wall()
         mark_finished = self.groups.mark_finished
         timed = self.on_group_finished
@@ -1233,7 +1248,9 @@ class SessionRouter:
             if timed is not None:
                 timed(complete, max(0.0, now - group.create_time))
         self.stats.groups_finished[complete] += len(groups)
-        self.finalizer.submit_complete(groups, origin, now, self.trainer.version)
+        self.finalizer.submit_complete(
+            groups, origin, now, self.trainer.version, rows, record_bytes
+        )
         if log.isEnabledFor(logging.DEBUG):
             for group in groups:
                 _log_finished(logging.DEBUG, group, complete, group.size)
