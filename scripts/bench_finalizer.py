@@ -127,14 +127,14 @@ class RouterState:
     matrix: NDArray[np.float64]
     ledger: GroupLedger
     per_call: int
-    rows: list[NDArray[np.intp]] = field(default_factory=list)
+    rows: list[NDArray[np.int64]] = field(default_factory=list)
     """Per request, its groups' arena rows (``request_rows``), as of the last ``reset``."""
 
     def reset(self) -> None:
         """Back to "every reward recorded, nothing finalized": fresh arena rows holding the
         rewards, as ``GroupLedger.add_group`` and ``record_rewards`` left them."""
         arena = RewardArena(self.arena.width, capacity=len(self.groups))
-        arena.key, arena.has_metrics = self.arena.key, self.arena.has_metrics
+        arena.key = self.arena.key
         for group in self.groups:
             group.arena, group.arena_row = arena, arena.allocate()
         arena.values[: len(self.groups)] = self.matrix
@@ -167,16 +167,16 @@ def build_state(matrix: NDArray[np.float64], per_call: int) -> RouterState:
     return RouterState(groups, arena, matrix, ledger, per_call)
 
 
-def request_rows(state: RouterState, per_call: int) -> list[NDArray[np.intp]]:
+def request_rows(state: RouterState, per_call: int) -> list[NDArray[np.int64]]:
     """Per request, the arena rows of the groups it completes: what ``core.intake.uniform``
     hands the router (``Uniform.group_rows``, which it built before the finalizer took it
     too), so not timed here."""
-    rows = np.array([g.arena_row for g in state.groups], dtype=np.intp)
+    rows = np.array([g.arena_row for g in state.groups], dtype=np.int64)
     return [rows[start : start + per_call] for start in range(0, len(rows), per_call)]
 
 
 def submit_request(
-    finalizer: GroupFinalizer, groups: list[GroupRecord], rows: NDArray[np.intp]
+    finalizer: GroupFinalizer, groups: list[GroupRecord], rows: NDArray[np.int64]
 ) -> None:
     """What the router does for the finalizer once a request completed ``groups``: the sum
     of their bytes that ``SessionRouter._submit_uniform`` adds up for it (timed with the

@@ -645,7 +645,7 @@ class GroupFinalizer:
         origin: StreamOrigin | None,
         finalize_time: float,
         trainer_version: int,
-        rows: NDArray[np.intp] | None = None,
+        rows: NDArray[np.int64] | None = None,
         record_bytes: int = 0,
     ) -> None:
         """Queues groups that finished complete, every member rewarded and none replaced
@@ -654,10 +654,12 @@ class GroupFinalizer:
         batch makes a group's ``FinishedGroup`` only for a consumer that asks for it).
 
         ``rows`` given: the caller holds what the queue needs of the groups (the router's
-        whole-request path): their arena rows, intp (G,), all in one arena whose ``key``
-        is not -1 (so they reduce together), and the sum of their ``memory_bytes``. Then
-        the call reads no group record but the first: O(1) Python. Otherwise it reads
-        each record."""
+        whole-request path): their arena rows, int64 (G,), all in one arena whose ``key``
+        is not -1 (so they reduce together), and the sum of their ``memory_bytes``; and the
+        request that completed them gave no filter metric (so none of them has one for
+        every member, and its metrics are never reported: the batch need not read them).
+        Then the call reads no group record but the first: O(1) Python. Otherwise it
+        reads each record."""
         count = len(groups)
         if not count:
             return
@@ -672,12 +674,10 @@ class GroupFinalizer:
             self._times.append(finalize_time)
             self._versions.append(trainer_version)
             self._keys.append(arena.key)
-            self._rows.frombytes(rows.astype(np.int64, copy=False).tobytes())
+            self._rows.frombytes(rows.tobytes())
             self._submitted += count
             self._record_bytes += record_bytes
             self._members += count * first.size
-            if arena.has_metrics:  # some may have one: the batch looks (none is NaN)
-                self._metric_groups += count
             self._wake.set()
             return
         # One pass over the groups, each record read once (a pass per field costs a cache

@@ -117,7 +117,6 @@ class RewardArena:
         "_free",
         "_free_chunks",
         "_next",
-        "has_metrics",
         "key",
         "metrics",
         "values",
@@ -132,9 +131,6 @@ class RewardArena:
         """The ``reduce_key`` of every group ever given a row here, or -1 once two differed
         (``NO_KEY`` before the first): a request's groups of this arena need no look each
         to be known to reduce together when it is not -1."""
-        self.has_metrics = False
-        """Some filter metric was ever written here (the finalizer then reads ``metrics``;
-        without one it knows every row of them is NaN)."""
         self.values: NDArray[np.float64] = np.full((capacity, width), np.nan)
         self.metrics: NDArray[np.float64] = np.full((capacity, width), np.nan)
         self._free: list[int] = []
@@ -575,7 +571,6 @@ class GroupLedger:
                     session.filter_metric
                 )
                 group.with_metrics += 1
-                arena.has_metrics = True
 
     @staticmethod
     def record_columns(

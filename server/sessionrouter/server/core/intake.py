@@ -292,7 +292,7 @@ class Uniform:
     - ``bounds``: (len(groups) + 1,) where each group's run starts, then n;
     - ``sessions``: (n,) entry i's session;
     - ``arena``: the arena all of them keep their rewards in (one group size);
-    - ``group_rows``: intp (len(groups),) each group's arena row (what the finalizer
+    - ``group_rows``: int64 (len(groups),) each group's arena row (what the finalizer
       gathers, handed on as it is for the groups the request completes);
     - ``rows``: intp (n,) entry i's arena row; ``slots``: int64 (n,) its member slot (its
       index: no group has a replaced member);
@@ -303,7 +303,7 @@ class Uniform:
     bounds: list[int]
     sessions: list[SessionRecord]
     arena: RewardArena
-    group_rows: NDArray[np.intp]
+    group_rows: NDArray[np.int64]
     rows: NDArray[np.intp]
     slots: NDArray[np.intp]
     values: NDArray[np.float64]
@@ -367,7 +367,7 @@ def uniform(batch: RewardBatch, find_seq: Callable[[int], GroupRecord | None]) -
     slots = indices.astype(np.intp)
     if not _MAX.reduce(slots) < size:
         return None
-    group_rows = np.array([g.arena_row for g in groups], dtype=np.intp)
+    group_rows = np.array([g.arena_row for g in groups], dtype=np.int64)
     rows = group_rows.repeat([bounds[k + 1] - bounds[k] for k in range(len(groups))])
     if not _ALL.reduce(np.isnan(arena.values[rows, slots])):
         return None  # some member is rewarded already: DUPLICATE or CONFLICT

@@ -1135,6 +1135,9 @@ class SessionRouter:
         bounds = request.bounds
         widen = self.groups.widen_versions
         completed: list[GroupRecord] = []
+        record_bytes = 0
+        """Of the completed groups, added up while each record is in hand: the finalizer's
+        queue then reads none of them (``GroupFinalizer.submit_complete``)."""
         for k, group in enumerate(request.groups):
             start, end = bounds[k], bounds[k + 1]
             run = sessions[start:end]
@@ -1146,15 +1149,11 @@ class SessionRouter:
             group.rewarded += end - start
             if group.rewarded == group.size == len(group.members):
                 completed.append(group)
+                record_bytes += group.memory_bytes
         if completed:
-            # What the finalizer's queue needs of them, while the records are in hand: their
-            # arena rows (``uniform`` found them) and bytes; it then reads none of them.
-            rows = request.group_rows
+            rows = request.group_rows  # the arena rows ``uniform`` found, as the queue takes them
             if len(completed) < len(rows):  # only some: the rows of those
                 rows = rows[[k for k, g in enumerate(request.groups) if g.rewarded == g.size]]
-            record_bytes = 0
-            for group in completed:  # a loop reads a slot faster than attrgetter
-                record_bytes += group.memory_bytes
             self._finish_complete(completed, origin, rows, record_bytes)
         for worker_id, held in freed.items():
             self.workers.release_sessions(worker_id, held)
@@ -1231,7 +1230,7 @@ class SessionRouter:
         self,
         groups: list[GroupRecord],
         origin: StreamOrigin | None,
-        rows: NDArray[np.intp] | None = None,
+        rows: NDArray[np.int64] | None = None,
         record_bytes: int = 0,
     ) -> None:
         """``_finish`` for groups that are complete with every member rewarded and none

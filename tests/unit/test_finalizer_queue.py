@@ -1,0 +1,204 @@
+"""The finalizer's queue as runs of arrays: groups a whole-request reward completes are queued
+with the arena rows the intake found (``submit_complete(rows=...)``) and never get their finish
+number written one by one; a record learns it from the ``CursorBook`` when its cursor is asked.
+What is checked, on real routers: the cursors GetGroup reads (the record and its proto), the
+journal's and a restarted router's, before and after publication; finish order in a queue that
+mixes array-queued, object-queued and per-group submissions; groups of one size with two
+estimators; filter metrics given before a whole-request reward; the book's bound."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from sessionrouter.server import convert
+from sessionrouter.server.core.clock import ManualClock
+from sessionrouter.server.core.commands import OptionsSpec, StartGroupCommand
+from sessionrouter.server.core.feed import GroupOutcome
+from sessionrouter.server.core.groups import CursorBook, GroupRecord
+from sessionrouter.server.core.intake import uniform
+from sessionrouter.server.core.rewards import RewardBatch
+from sessionrouter.server.core.router import RouterSettings, SessionRouter
+from sessionrouter.server.core.validation import session_handle
+from sessionrouter.server.journal import SqliteJournal
+
+SETTINGS = RouterSettings(deadline_s=10.0, reducer_window_s=0.0, heartbeat_timeout_s=3600.0)
+
+
+def make_router(
+    journal: SqliteJournal | None = None, workers: bool = True, **settings: object
+) -> SessionRouter:
+    router = SessionRouter(
+        dataclasses.replace(SETTINGS, **settings),  # type: ignore[arg-type]
+        ManualClock(),
+        journal,
+    )
+    if workers:
+        for i in range(4):
+            router.register_worker(f"w{i}", f"10.0.0.{i}:1", 1024, {})
+    return router
+
+
+def group(router: SessionRouter, gid: str, size: int = 4, **options: object) -> GroupRecord:
+    spec = OptionsSpec(**options)  # type: ignore[arg-type]
+    return router.start_group(StartGroupCommand("t", size, group_id=gid, options=spec)).group
+
+
+def whole(groups: list[GroupRecord], value: float = 1.0) -> RewardBatch:
+    """One columnar request of handles rewarding every member of ``groups``, member i of
+    each getting ``value * i``: what the whole-request path takes."""
+    handles = [session_handle(g.seq, i) for g in groups for i in range(g.size)]
+    rewards = [value * i for g in groups for i in range(g.size)]
+    return RewardBatch(rewards=rewards, handles=handles, columnar=True)
+
+
+def cursors(router: SessionRouter, gids: list[str]) -> list[int]:
+    """Each group's cursor as GetGroup answers it (the record, then its proto)."""
+    found = [router.get_group(gid) for gid in gids]
+    cursor = [g.cursor for g in found]
+    assert [convert.group_to_proto(g).cursor for g in found] == cursor
+    return cursor
+
+
+def test_array_queued_groups_get_their_cursors_when_asked() -> None:
+    router = make_router()
+    groups = [group(router, f"g{k}") for k in range(3)]
+    request = whole(groups)
+    assert uniform(request, router.groups.find_seq) is not None  # the whole-request path
+    router.submit_batch(request)
+    assert all(g.finish_number == -1 for g in groups)  # nothing written per group
+    assert cursors(router, ["g0", "g1", "g2"]) == [0, 0, 0]  # queued, not published
+    results = router.finalizer.drain()
+    assert [r.group_id for r in results] == ["g0", "g1", "g2"]
+    assert [r.cursor for r in results] == [1, 2, 3]
+    assert all(g.finish_number == -1 for g in groups)  # still not, until someone asks
+    assert cursors(router, ["g0", "g1", "g2"]) == [1, 2, 3]
+    assert router.groups.cursor_book.deferred == 0  # numbered once, for every group
+    assert [g.finish_number for g in groups] == [0, 1, 2]
+    # An open group's cursor is 0 and asking for it numbers nothing.
+    more = [group(router, "h0"), group(router, "h1")]
+    router.submit_batch(whole(more[:1]))
+    router.finalizer.drain()
+    assert cursors(router, ["h1"]) == [0]
+    assert router.groups.cursor_book.deferred == 1
+    assert cursors(router, ["h0"]) == [4]
+
+
+def test_a_mixed_queue_keeps_finish_order_and_every_cursor() -> None:
+    """Array-queued (handles), object-queued complete (names), and per-group submissions
+    (a partial group at its deadline, a group with an aborted member) in one batch."""
+    router = make_router()
+    a, b, c, d, e = (group(router, gid) for gid in ("a", "b", "c", "d", "e"))
+    deadline = group(router, "late", deadline_s=1.0, min_members=1)
+    router.submit_rewards([(deadline.members[0].name, 2.0)])
+    router.submit_batch(whole([a, b]))  # array-queued: a, b
+    router.submit_rewards([(s.name, float(s.index)) for s in c.members])  # object-queued: c
+    router.abort_session(d.members[3].name, "test")
+    router.submit_rewards([(s.name, 1.0 - s.index) for s in d.members[:3]])  # submit(): d
+    router.clock.advance(5.0)  # type: ignore[attr-defined]
+    router.expire_due()  # submit(): late, partial
+    router.submit_batch(whole([e], 0.5))  # array-queued again: e
+    batch = router.finalizer.reduce_queued()
+    assert batch is not None and batch.width == 0  # the general path: not all complete
+    results = router.finalizer.publish(batch)
+    order = ["a", "b", "c", "d", "late", "e"]
+    assert [r.group_id for r in results] == order
+    assert [r.cursor for r in results] == [1, 2, 3, 4, 5, 6]
+    assert [r.outcome for r in results] == [GroupOutcome.COMPLETE] * 3 + [
+        GroupOutcome.PARTIAL
+    ] * 2 + [GroupOutcome.COMPLETE]
+    assert cursors(router, order) == [1, 2, 3, 4, 5, 6]
+    assert results[0].rewards.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert results[5].rewards.tolist() == [0.0, 0.5, 1.0, 1.5]
+    assert results[3].rewards.tolist() == [1.0, 0.0, -1.0]
+    assert results[4].rewards.tolist() == [2.0]
+    assert np.allclose(
+        results[0].advantages, (np.arange(4) - 1.5) / (np.std(np.arange(4), ddof=1) + 1e-6)
+    )
+
+
+def test_one_size_with_two_estimators_is_queued_per_group_and_reduced_right() -> None:
+    router = make_router()
+    grpo = group(router, "grpo")
+    rloo = group(router, "rloo", estimator="rloo")
+    assert grpo.arena is rloo.arena and grpo.reduce_key != rloo.reduce_key
+    assert grpo.arena is not None and grpo.arena.key == -1  # no key common to the arena
+    router.submit_batch(whole([grpo, rloo]))
+    results = {r.group_id: r for r in router.finalizer.drain()}
+    rewards = np.arange(4, dtype=np.float64)
+    assert results["rloo"].advantages.tolist() == ((rewards - rewards.mean()) * 4 / 3).tolist()
+    expected = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-6)
+    assert np.allclose(results["grpo"].advantages, expected, rtol=0, atol=1e-12)
+    assert cursors(router, ["grpo", "rloo"]) == [1, 2]
+
+
+def test_metrics_given_before_a_whole_request_reward_are_read_as_the_per_entry_path_does() -> None:
+    """Three members of a group give the same filter metric with their rewards (names), the
+    last one its reward alone in a whole request: not every member gave one, so the rewards
+    decide degenerate and no metric is reported, exactly as when the last reward takes the
+    per-entry path."""
+    found = {}
+    for fast in (True, False):
+        router = make_router()
+        marked = group(router, "marked")
+        router.submit_rewards([(s.name, float(s.index), 0.5) for s in marked.members[:3]])
+        last = RewardBatch(rewards=[3.0], handles=[session_handle(marked.seq, 3)], columnar=True)
+        if not fast:
+            last = RewardBatch(rewards=[3.0], names=[marked.members[3].name], columnar=True)
+        assert (uniform(last, router.groups.find_seq) is not None) is fast
+        router.submit_batch(last)
+        (result,) = router.finalizer.drain()
+        found[fast] = (result.degenerate, result.filter_metrics.tolist(), result.mean)
+    # Had the three equal metrics decided, the group would be degenerate.
+    assert found[True] == found[False] == (False, [], 1.5)
+
+
+async def test_cursors_of_array_queued_groups_survive_the_journal_and_a_restart(
+    tmp_path: Path,
+) -> None:
+    journal = SqliteJournal(tmp_path)
+    journal.start()
+    router = make_router(journal)
+    groups = [group(router, f"g{k}") for k in range(3)]
+    router.submit_batch(whole(groups[:2]))
+    router.submit_batch(whole(groups[2:], 2.0))
+    batch = router.finalizer.drain_batch()  # reduced and journaled, not yet durable
+    assert batch is not None and batch.cursors.tolist() == [1, 2, 3]
+    assert cursors(router, ["g0", "g1", "g2"]) == [0, 0, 0]  # not published before durable
+    await router.finalizer.flush()  # durable, then published
+    assert cursors(router, ["g0", "g1", "g2"]) == [1, 2, 3]
+    await journal.close()
+
+    again = SqliteJournal(tmp_path)
+    restored = make_router(again, workers=False)
+    restored.restore(again.load())
+    again.start()
+    restored.register_worker("w0", "10.0.0.0:1", 1024, {})
+    assert cursors(restored, ["g0", "g1", "g2"]) == [1, 2, 3]
+    assert restored.feed.last_cursor == 3
+    more = group(restored, "after")
+    restored.submit_batch(whole([more]))
+    await restored.finalizer.flush()
+    assert cursors(restored, ["after", "g1"]) == [4, 2]
+    assert restored.feed.last_cursor == 4
+    await again.close()
+
+
+def test_the_book_keeps_the_newest_batches_the_ledger_can_still_be_asked_for() -> None:
+    book = CursorBook(keep=4)
+    batches = [[object()] * 3 for _ in range(4)]
+    for k, batch in enumerate(batches):
+        book.defer(3 * k, batch)  # type: ignore[arg-type]
+    # 12 deferred: the first batch's 3 may go (9 >= 4 still kept), and the second's (6 >= 4),
+    # not the third's (3 < 4).
+    assert book.deferred == 6
+    assert CursorBook().deferred == 0
+    router = make_router(finished_group_retention=2)
+    groups = [group(router, f"g{k}") for k in range(6)]
+    for g in groups:
+        router.submit_batch(whole([g]))
+        router.finalizer.drain()
+    assert router.groups.cursor_book.deferred == 2
+    assert cursors(router, ["g4", "g5"]) == [5, 6]
