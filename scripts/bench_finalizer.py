@@ -24,8 +24,19 @@ an order that rotates from round to round, so that drifting load hits each of th
 - ``+submit``: rewards in, results out: the same plus queueing the groups as the router
   does, one ``GroupFinalizer.submit_complete`` call per SubmitRewards request with the
   groups that request completed (``--per-request`` rewards per request, 256 by default: 32
-  groups of 8 per call). This is the router's real submit path for complete groups
-  (``SessionRouter._finish_complete``); the targets are checked on it.
+  groups of 8 per call), given what the router's whole-request path gives it: the arena rows
+  ``core.intake.uniform`` found (built by the intake, not timed here), and the sum of the
+  groups' bytes that ``SessionRouter._submit_uniform`` adds up for it (timed here, in a loop
+  of its own, although the router adds it inside the loop it already runs over the groups).
+  This is the router's real submit path for complete groups (``_finish_complete``); the
+  targets are checked on it. Each request's group records were just touched by the router
+  when it submits them (its intake checks, counts and state changes, ``router_touch``): the
+  benchmark does that untimed for ``--warm-block`` requests at a time, then times their
+  submits, so that ``submit_complete`` reads records as warm as the router leaves them.
+- ``+submit cold``: ``+submit`` as this benchmark timed it before: every request submitted
+  in one timed loop over records all built before the run, so each submit reads records
+  that nothing touched since they were built (125k groups do not fit in any cache), which
+  the router never does. Printed beside ``+submit`` for comparison with earlier figures.
 - ``+pack``: ``finalizer`` plus what one columnar feed subscriber costs: the batch's columns
   (built once, kept for every subscriber) and its ``GroupResultBatch`` messages (1 MiB each;
   packed once, shared by the subscribers that read the same groups).
@@ -38,9 +49,11 @@ Every contender is timed by the CPU time of the thread that runs it (``time.thre
 what a loaded machine disturbs least: time spent waiting for a core is left out) and by
 wall-clock time; the targets are checked on CPU time, both are printed. Setting up the router
 state (groups, members, recorded rewards) is not timed, and is rebuilt identically before
-every timed finalizer run (the run releases the rows). Every contender's advantages are
-checked against the others' before timing. Prints ``uptime`` before and after. Imports nothing
-from verl. Run: ``.venv/bin/python scripts/bench_finalizer.py``.
+every timed finalizer run (the run releases the rows). What a contender returns is freed
+inside its own time; a batch the groups' ``CursorBook`` still holds is let go, and freed,
+by the next run's reduction, as the router's next batch lets the previous one go. Every
+contender's advantages are checked against the others' before timing. Prints ``uptime``
+before and after. Imports nothing from verl. Run: ``.venv/bin/python scripts/bench_finalizer.py``.
 """
 
 from __future__ import annotations
