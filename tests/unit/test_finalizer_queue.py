@@ -19,8 +19,10 @@ from sessionrouter.server.core.commands import OptionsSpec, StartGroupCommand
 from sessionrouter.server.core.feed import GroupOutcome
 from sessionrouter.server.core.groups import CursorBook, GroupRecord
 from sessionrouter.server.core.intake import uniform
-from sessionrouter.server.core.rewards import RewardBatch
+from sessionrouter.server.core.results import ResultRows
+from sessionrouter.server.core.rewards import RewardBatch, RewardOutcome
 from sessionrouter.server.core.router import RouterSettings, SessionRouter
+from sessionrouter.server.core.streams import RewardAck, RewardFlow, StreamOrigin
 from sessionrouter.server.core.validation import session_handle
 from sessionrouter.server.journal import SqliteJournal
 
@@ -202,3 +204,39 @@ def test_the_book_keeps_the_newest_batches_the_ledger_can_still_be_asked_for() -
         router.finalizer.drain()
     assert router.groups.cursor_book.deferred == 2
     assert cursors(router, ["g4", "g5"]) == [5, 6]
+
+
+async def test_results_go_to_the_stream_and_after_the_request_that_finished_them() -> None:
+    """Two reward streams: each gets the results of the groups its own requests finished
+    (queued as arrays or per group), in cursor order, each after its request's ack."""
+
+    def no_submit(entries: object, origin: StreamOrigin) -> list[RewardOutcome]:
+        raise AssertionError("requests are applied by the test")
+
+    async def no_commit() -> None:
+        return None
+
+    router = make_router()
+    one, two = RewardFlow(no_submit, no_commit), RewardFlow(no_submit, no_commit)
+    g = [group(router, f"g{k}") for k in range(5)]
+    router.submit_batch(whole(g[:2]), StreamOrigin(one, 0))  # arrays: g0, g1
+    router.submit_batch(whole(g[2:3]), StreamOrigin(two, 0))  # arrays: g2
+    names = [(s.name, 1.0) for s in g[3].members]
+    router.submit_rewards(names, StreamOrigin(one, 1))  # names, per-entry path: g3
+    router.submit_batch(whole(g[4:]), StreamOrigin(two, 1))  # arrays: g4
+    assert [r.cursor for r in router.finalizer.drain()] == [1, 2, 3, 4, 5]
+    seen = {}
+    for flow in (one, two):
+        for request in (0, 1):
+            flow.ack(request, RewardAck(100 + request, []))
+        flow.end_input()
+        events = []
+        async for batch in flow.batches():
+            events += batch
+        seen[flow] = [
+            ("ack", e.sequence) if isinstance(e, RewardAck) else ("results", e.cursors.tolist())
+            for e in events
+            if isinstance(e, RewardAck | ResultRows)
+        ]
+    assert seen[one] == [("ack", 100), ("results", [1, 2]), ("ack", 101), ("results", [4])]
+    assert seen[two] == [("ack", 100), ("results", [3]), ("ack", 101), ("results", [5])]

@@ -36,6 +36,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -74,6 +75,7 @@ _NO_VERSIONS = np.zeros(0, dtype=np.uint64)
 _NO_VERSIONS.flags.writeable = False
 _DROPPED = DROPPED_CODE
 _NO_POSITIONS = np.zeros(0, dtype=np.intp)
+_S = TypeVar("_S", bound=np.generic)
 _NO_NUMBERS = np.zeros(0, dtype=np.int64)
 _GROUP_ID = attrgetter("group_id")
 _TASK_ID = attrgetter("task_id")
@@ -523,6 +525,15 @@ class _Publication:
     end_number: int
 
 
+def _expand(values: array[int] | array[float], counts: array[int], dtype: type[_S]) -> NDArray[_S]:
+    """Per group: run k's value ``values[k]`` ``counts[k]`` times, in order, as ``dtype``;
+    one NumPy call for a single run."""
+    if len(values) == 1:
+        return np.full(counts[0], values[0], dtype=dtype)
+    source = np.frombuffer(values, dtype=np.float64 if values.typecode == "d" else np.int64)
+    return np.repeat(source, np.frombuffer(counts, dtype=np.int64)).astype(dtype, copy=False)
+
+
 def _runs(starts: array[int], counts: array[int]) -> NDArray[np.intp]:
     """The positions ``starts[k]``, ``starts[k] + 1``, ... (``counts[k]`` of them) of every
     run k, in order, as one array: O(runs) Python."""
@@ -761,20 +772,18 @@ class GroupFinalizer:
         cursors = np.arange(first, first + len(finished), dtype=np.int64)
         groups: Sequence[GroupRecord] = finished  # not copied: nothing changes it any more
         self.book.defer(number, groups)  # the records learn their numbers if asked
-        run_counts = np.frombuffer(counts, dtype=np.int64)
-        run_keys = np.frombuffer(keys, dtype=np.int64)
-        finalize_times = np.repeat(np.frombuffer(times, dtype=np.float64), run_counts)
-        trainer_versions = np.repeat(
-            np.frombuffer(versions, dtype=np.int64).astype(np.uint64), run_counts
-        )
+        # Few NumPy calls per batch (each costs microseconds whatever its size, and a batch
+        # holds a few requests' groups when rewards trickle in): one run needs no repeat.
+        finalize_times = _expand(times, counts, np.float64)
+        trainer_versions = _expand(versions, counts, np.uint64)
         rows = np.frombuffer(row_array, dtype=np.int64).astype(np.intp, copy=False)
         head = keys[0]
         made: tuple[FinishedGroup, ...] | None = None
-        if head >= 0 and bool((run_keys == head).all()):
+        if head >= 0 and keys.count(head) == len(keys):
             batch = self._reduce_uniform(groups, rows, cursors, with_metrics > 0)
         else:
             made = finished_groups(groups, special, finalize_times, trainer_versions)
-            group_keys = np.repeat(run_keys, run_counts).tolist()
+            group_keys = _expand(keys, counts, np.int64).tolist()
             batch = self._reduce_general(made, group_keys, rows.tolist(), cursors)
         batch = dataclasses.replace(
             batch,
@@ -788,14 +797,15 @@ class GroupFinalizer:
         batch._memo.finished = made
         batch.freeze()
         self.degenerate += int(np.count_nonzero(batch.degenerate & (batch.outcome != _DROPPED)))
+        owed, flow_numbers, request_numbers = _NO_POSITIONS, _NO_NUMBERS, _NO_NUMBERS
         if flows:
-            owed = _runs(owed_starts, owed_counts)
-            owed_count = np.frombuffer(owed_counts, dtype=np.int64)
-            flow_numbers = np.repeat(np.frombuffer(flow_of, dtype=np.int64), owed_count)
-            request_numbers = np.repeat(np.frombuffer(requests, dtype=np.int64), owed_count)
-        else:
-            owed, flow_numbers = _NO_POSITIONS, _NO_NUMBERS
-            request_numbers = _NO_NUMBERS
+            if sum(owed_counts) == len(finished):  # every group is owed (runs increase)
+                owed = np.arange(len(finished), dtype=np.intp)
+            else:
+                owed = _runs(owed_starts, owed_counts)
+            if len(flows) > 1:  # one stream takes them all: no stream number per group
+                flow_numbers = _expand(flow_of, owed_counts, np.int64)
+            request_numbers = _expand(requests, owed_counts, np.int64)
         self._taken = _Publication(batch, flows, owed, flow_numbers, request_numbers, self._reduced)
         return batch
 
