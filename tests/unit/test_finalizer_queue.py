@@ -240,3 +240,26 @@ async def test_results_go_to_the_stream_and_after_the_request_that_finished_them
         ]
     assert seen[one] == [("ack", 100), ("results", [1, 2]), ("ack", 101), ("results", [4])]
     assert seen[two] == [("ack", 100), ("results", [3]), ("ack", 101), ("results", [5])]
+
+
+def test_a_whole_request_that_completes_some_of_its_groups_queues_their_rows() -> None:
+    router = make_router()
+    first, second, third = (group(router, gid) for gid in ("first", "second", "third"))
+    router.submit_batch(
+        RewardBatch(rewards=[9.0], handles=[session_handle(second.seq, 0)], columnar=True)
+    )
+    entries = [(first, i, 1.0 + i) for i in range(4)]
+    entries += [(second, 1, 8.0)] + [(third, i, 10.0 - i) for i in range(4)]
+    request = RewardBatch(
+        rewards=[r for _, _, r in entries],
+        handles=[session_handle(g.seq, i) for g, i, _ in entries],
+        columnar=True,
+    )
+    assert uniform(request, router.groups.find_seq) is not None
+    router.submit_batch(request)  # completes first and third, not second (2 of 4)
+    results = router.finalizer.drain()
+    assert [(r.group_id, r.rewards.tolist()) for r in results] == [
+        ("first", [1.0, 2.0, 3.0, 4.0]),
+        ("third", [10.0, 9.0, 8.0, 7.0]),
+    ]
+    assert cursors(router, ["first", "second", "third"]) == [1, 0, 2]

@@ -75,8 +75,8 @@ _NO_VERSIONS = np.zeros(0, dtype=np.uint64)
 _NO_VERSIONS.flags.writeable = False
 _DROPPED = DROPPED_CODE
 _NO_POSITIONS = np.zeros(0, dtype=np.intp)
-_S = TypeVar("_S", bound=np.generic)
 _NO_NUMBERS = np.zeros(0, dtype=np.int64)
+_S = TypeVar("_S", bound=np.generic)
 _GROUP_ID = attrgetter("group_id")
 _TASK_ID = attrgetter("task_id")
 
@@ -721,6 +721,7 @@ class GroupFinalizer:
         trainer_version: int,
         key: int,
     ) -> None:
+        """Queues a run of ``count`` groups (already in ``_pending``) that share these."""
         self._counts.append(count)
         self._times.append(finalize_time)
         self._versions.append(trainer_version)
