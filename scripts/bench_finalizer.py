@@ -25,10 +25,13 @@ an order that rotates from round to round, so that drifting load hits each of th
   does, one ``GroupFinalizer.submit_complete`` call per SubmitRewards request with the
   groups that request completed (``--per-request`` rewards per request, 256 by default: 32
   groups of 8 per call), given what the router's whole-request path gives it: the arena rows
-  ``core.intake.uniform`` found (built by the intake, not timed here), and the sum of the
-  groups' bytes that ``SessionRouter._submit_uniform`` adds up for it (timed here, in a loop
-  of its own, although the router adds it inside the loop it already runs over the groups).
-  This is the router's real submit path for complete groups (``_finish_complete``); the
+  ``core.intake.uniform`` found (built by the intake, not timed here). The groups' bytes
+  (``FinalizedBatch.record_bytes``) are no longer added up per request (the router used to
+  sum the completed groups' ``memory_bytes`` in ``_submit_uniform``, and this benchmark timed
+  that sum in a loop of its own): the ledger keeps each open group's bytes in its arena row
+  too, and ``reduce_queued`` sums the batch's rows in one call, timed in ``finalizer``. The
+  previous build's figure, with the sum, comes from running that build's own copy of this
+  script. This is the router's real submit path for complete groups (``_finish_complete``); the
   targets are checked on it. Each request's group records were just touched by the router
   when it submits them (its intake checks, counts and state changes, ``router_touch``): the
   benchmark does that untimed for ``--warm-block`` requests at a time, then times their
@@ -151,13 +154,14 @@ class RouterState:
         for group in self.groups:
             group.arena, group.arena_row = arena, arena.allocate()
         arena.values[: len(self.groups)] = self.matrix
+        arena.memory_bytes[: len(self.groups)] = [g.memory_bytes for g in self.groups]
         self.arena = arena
         self.rows = request_rows(self, self.per_call)
 
 
 def build_state(matrix: NDArray[np.float64], per_call: int) -> RouterState:
-    """G groups of n members through the ledger, each group's rewards recorded by
-    ``record_rewards``."""
+    """G groups of n members through the ledger (``add_group``, ``member_joined``), each
+    group's rewards recorded by ``record_rewards``."""
     n_groups, n = matrix.shape
     ledger = GroupLedger(finished_retention=n_groups)
     settings = GroupSettings(PARAMS, deadline_s=600.0, min_members=2)
@@ -170,6 +174,7 @@ def build_state(matrix: NDArray[np.float64], per_call: int) -> RouterState:
         for i, reward in enumerate(rewards[g]):
             session = SessionRecord(gid, i, "task", f"w{i}", f"10.0.0.{i}:1", "", {}, 0.0)
             group.members.append(session)
+            ledger.member_joined(group, session.metadata)
             session.reward, session.state = reward, SessionState.REWARDED
             group.rewarded += 1
         ledger.record_rewards(group, group.members, metrics=False)
@@ -191,14 +196,10 @@ def request_rows(state: RouterState, per_call: int) -> list[NDArray[np.int64]]:
 def submit_request(
     finalizer: GroupFinalizer, groups: list[GroupRecord], rows: NDArray[np.int64]
 ) -> None:
-    """What the router does for the finalizer once a request completed ``groups``: the sum
-    of their bytes that ``SessionRouter._submit_uniform`` adds up for it (timed with the
-    finalizer, although it is the router's), then ``_finish_complete``'s
-    ``submit_complete`` call."""
-    record_bytes = 0
-    for group in groups:
-        record_bytes += group.memory_bytes
-    finalizer.submit_complete(groups, None, 0.0, 0, rows, record_bytes)
+    """What the router does for the finalizer once a request completed ``groups``:
+    ``_finish_complete``'s ``submit_complete`` call (their bytes are in their arena rows,
+    summed per batch by ``reduce_queued``)."""
+    finalizer.submit_complete(groups, None, 0.0, 0, rows)
 
 
 def new_finalizer(state: RouterState) -> GroupFinalizer:

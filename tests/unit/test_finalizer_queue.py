@@ -4,7 +4,8 @@ number written one by one; a record learns it from the ``CursorBook`` when its c
 What is checked, on real routers: the cursors GetGroup reads (the record and its proto), the
 journal's and a restarted router's, before and after publication; finish order in a queue that
 mixes array-queued, object-queued and per-group submissions; groups of one size with two
-estimators; filter metrics given before a whole-request reward; the book's bound."""
+estimators; filter metrics given before a whole-request reward; the book's bound; the bytes a
+batch says its group records hold, for array-queued groups read from their arena rows."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import numpy as np
 
 from sessionrouter.server import convert
 from sessionrouter.server.core.clock import ManualClock
-from sessionrouter.server.core.commands import OptionsSpec, StartGroupCommand
+from sessionrouter.server.core.commands import OptionsSpec, StartGroupCommand, StartSessionCommand
 from sessionrouter.server.core.feed import GroupOutcome
+from sessionrouter.server.core.finalizer import FinalizedBatch
 from sessionrouter.server.core.groups import CursorBook, GroupRecord
 from sessionrouter.server.core.intake import uniform
 from sessionrouter.server.core.results import ResultRows
@@ -263,3 +265,112 @@ def test_a_whole_request_that_completes_some_of_its_groups_queues_their_rows() -
         ("third", [10.0, 9.0, 8.0, 7.0]),
     ]
     assert cursors(router, ["first", "second", "third"]) == [1, 0, 2]
+
+
+def joined(
+    router: SessionRouter, gid: str, size: int = 4, tagged: tuple[int, ...] = ()
+) -> GroupRecord:
+    """A group whose members join one StartSession at a time (the ledger's ``member_joined``
+    raises its bytes after the first), members at ``tagged`` carrying metadata."""
+    for i in range(size):
+        metadata = {"prompt": f"{gid}-{i}" * 8, "i": str(i)} if i in tagged else {}
+        cmd = StartSessionCommand("t", group_id=gid, group_size=size, metadata=metadata)
+        found = router.start_session(cmd).group
+    return found
+
+
+def check_bytes(router: SessionRouter, batch: FinalizedBatch | None) -> FinalizedBatch:
+    """The batch's ``record_bytes`` is the sum of its records' ``memory_bytes`` (however they
+    were queued), and what the feed retains for it counts them."""
+    assert batch is not None
+    expected = sum(g.memory_bytes for g in batch.groups)
+    assert batch.record_bytes == expected
+    before = router.feed.retained_bytes
+    router.finalizer.publish(batch)
+    assert router.feed.retained_bytes - before == batch.retained_bytes() >= expected
+    return batch
+
+
+def test_array_queued_groups_bring_their_bytes_from_their_arena_rows() -> None:
+    router = make_router()
+    plain, tagged = joined(router, "plain"), joined(router, "t1", tagged=(1,))
+    tagged_more = joined(router, "t2", tagged=(0, 2, 3))
+    groups = [plain, tagged, tagged_more]
+    assert len({g.memory_bytes for g in groups}) == 3  # metadata counts
+    request = whole(groups)
+    assert uniform(request, router.groups.find_seq) is not None  # the whole-request path
+    router.submit_batch(request)
+    batch = check_bytes(router, router.finalizer.reduce_queued())
+    assert batch.width == 4 and len(batch) == 3
+
+
+def test_record_queued_and_mixed_batches_count_every_group_once() -> None:
+    router = make_router()
+    by_name = joined(router, "names", tagged=(2,))
+    router.submit_rewards([(s.name, float(s.index)) for s in by_name.members])  # records read
+    check_bytes(router, router.finalizer.reduce_queued())
+
+    four = [joined(router, f"f{k}", tagged=(k,)) for k in range(3)]
+    two = [joined(router, f"p{k}", size=2, tagged=(1,) if k else ()) for k in range(2)]
+    late = joined(router, "late", tagged=(0,))
+    router.submit_rewards([(late.members[0].name, 2.0)])
+    router.submit_batch(whole(four[:1]))  # rows of the size-4 arena
+    names = [(s.name, float(s.index)) for s in four[1].members]
+    router.submit_rewards(names)  # records read: f1
+    router.submit_batch(whole(two))  # rows of the size-2 arena
+    router.clock.advance(20.0)  # type: ignore[attr-defined]
+    router.submit_batch(whole(four[2:]))  # rows again, then `late` by its record
+    router.expire_due()
+    batch = check_bytes(router, router.finalizer.reduce_queued())
+    assert [g.group_id for g in batch.groups] == ["f0", "f1", "p0", "p1", "f2", "late"]
+    assert four[0].arena is not two[0].arena
+
+
+def test_reused_rows_carry_their_new_groups_bytes() -> None:
+    router = make_router()
+    first = [joined(router, f"a{k}", tagged=(0, 1, 2, 3)) for k in range(3)]
+    rows = {g.arena_row for g in first}
+    router.submit_batch(whole(first))
+    check_bytes(router, router.finalizer.reduce_queued())
+    second = [joined(router, f"b{k}", tagged=(k,)) for k in range(3)]
+    assert {g.arena_row for g in second} == rows  # the released rows, given out again
+    assert all(b.memory_bytes < a.memory_bytes for a, b in zip(first, second, strict=True))
+    router.submit_batch(whole(second))
+    check_bytes(router, router.finalizer.reduce_queued())
+
+
+async def test_groups_restored_open_bring_their_bytes_after_a_restart(tmp_path: Path) -> None:
+    journal = SqliteJournal(tmp_path)
+    journal.start()
+    router = make_router(journal)
+    open_groups = [joined(router, f"o{k}", tagged=(k, 3)) for k in range(2)]
+    router.submit_batch(whole(open_groups[:1], 2.0))  # one finished before the restart
+    await router.finalizer.flush()
+    half = open_groups[1]
+    router.submit_batch(
+        RewardBatch(rewards=[5.0], handles=[session_handle(half.seq, 0)], columnar=True)
+    )
+    await journal.commit()
+    expected = half.memory_bytes
+    await journal.close()
+
+    again = SqliteJournal(tmp_path)
+    restored = make_router(again, workers=False)
+    restored.restore(again.load())
+    again.start()
+    restored.register_worker("w0", "10.0.0.0:1", 1024, {})
+    back = restored.get_group("o1")
+    assert back.memory_bytes == expected
+    rest = [(back, i) for i in range(1, 4)]
+    restored.submit_batch(
+        RewardBatch(
+            rewards=[1.0, 2.0, 3.0],
+            handles=[session_handle(g.seq, i) for g, i in rest],
+            columnar=True,
+        )
+    )
+    batch = restored.finalizer.drain_batch()
+    assert batch is not None and [g.group_id for g in batch.groups] == ["o1"]
+    assert batch.record_bytes == expected
+    await restored.finalizer.flush()
+    await again.close()

@@ -107,7 +107,10 @@ class RewardArena:
 
     ``values`` (capacity, n) float64: row r holds one open group's rewards by member slot, NaN
     where none is recorded (rewards are finite, so NaN is free to mean "none");
-    ``metrics`` likewise holds the filter metrics. A member's slot is its index, except in a
+    ``metrics`` likewise holds the filter metrics; ``memory_bytes`` (capacity,) int64 holds
+    each open group's ``GroupRecord.memory_bytes``, written by the ledger wherever it sets or
+    raises the record's (so that the finalizer adds up a batch's bytes in one NumPy call, not
+    one record read per group). A member's slot is its index, except in a
     group with replacements (``member_slots``). Rows are handed out by ``allocate`` and given
     back in bulk by ``release`` (a row holds stale values until it is allocated again); the
     arrays double when full (row numbers stay valid).
@@ -118,6 +121,7 @@ class RewardArena:
         "_free_chunks",
         "_next",
         "key",
+        "memory_bytes",
         "metrics",
         "values",
         "width",
@@ -133,6 +137,7 @@ class RewardArena:
         to be known to reduce together when it is not -1."""
         self.values: NDArray[np.float64] = np.full((capacity, width), np.nan)
         self.metrics: NDArray[np.float64] = np.full((capacity, width), np.nan)
+        self.memory_bytes: NDArray[np.int64] = np.zeros(capacity, dtype=np.int64)
         self._free: list[int] = []
         self._free_chunks: list[NDArray[np.intp]] = []
         """Released batches of rows, turned into ``_free`` only when allocation needs them
@@ -161,6 +166,9 @@ class RewardArena:
             grow = np.full((self.capacity, self.width), np.nan)
             self.values = np.concatenate([self.values, grow])
             self.metrics = np.concatenate([self.metrics, grow])
+            self.memory_bytes = np.concatenate(
+                [self.memory_bytes, np.zeros_like(self.memory_bytes)]
+            )
         row = self._next
         self._next += 1
         return row
@@ -523,6 +531,8 @@ class GroupLedger:
         self.open_sessions += group.size
         group.retained_bytes = retained_bytes(group)
         group.memory_bytes = record_memory(group)
+        if group.arena is not None:
+            group.arena.memory_bytes[group.arena_row] = group.memory_bytes
         self.open_bytes += group.retained_bytes
 
     def _place_rewards(self, group: GroupRecord) -> None:
@@ -600,6 +610,9 @@ class GroupLedger:
         cost = member_cost(group, metadata)
         group.retained_bytes += cost
         group.memory_bytes += RECORD_MEMBER_BYTES + metadata_memory(metadata)
+        arena = group.arena
+        if arena is not None:
+            arena.memory_bytes[group.arena_row] = group.memory_bytes
         self.open_bytes += cost
 
     def find_request(self, request_id: str) -> RequestRecord | None:

@@ -1135,9 +1135,6 @@ class SessionRouter:
         bounds = request.bounds
         widen = self.groups.widen_versions
         completed: list[GroupRecord] = []
-        record_bytes = 0
-        """Of the completed groups, added up while each record is in hand: the finalizer's
-        queue then reads none of them (``GroupFinalizer.submit_complete``)."""
         for k, group in enumerate(request.groups):
             start, end = bounds[k], bounds[k + 1]
             run = sessions[start:end]
@@ -1149,12 +1146,11 @@ class SessionRouter:
             group.rewarded += end - start
             if group.rewarded == group.size == len(group.members):
                 completed.append(group)
-                record_bytes += group.memory_bytes
         if completed:
             rows = request.group_rows  # the arena rows ``uniform`` found, as the queue takes them
             if len(completed) < len(rows):  # only some: the rows of those
                 rows = rows[[k for k, g in enumerate(request.groups) if g.rewarded == g.size]]
-            self._finish_complete(completed, origin, rows, record_bytes)
+            self._finish_complete(completed, origin, rows)
         for worker_id, held in freed.items():
             self.workers.release_sessions(worker_id, held)
         n = len(sessions)
@@ -1231,7 +1227,6 @@ class SessionRouter:
         groups: list[GroupRecord],
         origin: StreamOrigin | None,
         rows: NDArray[np.int64] | None = None,
-        record_bytes: int = 0,
     ) -> None:
         """``_finish`` for groups that are complete with every member rewarded and none
         replaced (nothing to release, nothing to exclude): one finalizer call for all of
@@ -1247,9 +1242,7 @@ class SessionRouter:
             if timed is not None:
                 timed(complete, max(0.0, now - group.create_time))
         self.stats.groups_finished[complete] += len(groups)
-        self.finalizer.submit_complete(
-            groups, origin, now, self.trainer.version, rows, record_bytes
-        )
+        self.finalizer.submit_complete(groups, origin, now, self.trainer.version, rows)
         if log.isEnabledFor(logging.DEBUG):
             for group in groups:
                 _log_finished(logging.DEBUG, group, complete, group.size)
