@@ -45,13 +45,7 @@ from sessionrouter.server.core.errors import Unavailable
 from sessionrouter.server.core.estimators import EstimatorParams
 from sessionrouter.server.core.events import GroupFinalized, JournalSink
 from sessionrouter.server.core.feed import GroupFeed
-from sessionrouter.server.core.groups import (
-    NO_VERSION,
-    CursorBook,
-    GroupRecord,
-    RewardArena,
-    SessionRecord,
-)
+from sessionrouter.server.core.groups import NO_VERSION, CursorBook, GroupRecord, SessionRecord
 from sessionrouter.server.core.reducer import AdvantageReducer
 from sessionrouter.server.core.results import (
     COLUMN_GROUP_BYTES,
@@ -183,9 +177,10 @@ class FinalizedBatch:
     - ``has_filter_metrics``: bool (G,), every counted member of the group gave one.
     - ``width``: n when every group has n counted members and the row path was taken, else 0.
     - ``record_bytes``: the groups' own ``memory_bytes`` (their records, which the batch
-      keeps alive): of the groups queued with their records read, added up as they were
-      queued; of those queued by arena row, read from their arena's ``memory_bytes`` column
-      once per batch; ``members``: their members, counted or not (at most).
+      keeps alive): on the row path, read from their arena's ``memory_bytes`` column (one
+      NumPy call, before the rows are released), else added up from the records (the
+      general path reads each record anyway); ``members``: their members, counted or not
+      (at most).
 
     A batch is a ``core.results.ResultSource``: the feed retains it as it is, and it gives
     its groups as columns (``columns``, built once) or as ``GroupResult`` objects.
@@ -599,14 +594,10 @@ class GroupFinalizer:
         """Per run: its groups' ``reduce_key`` when they are complete without replacements
         and share one, else -1."""
         self._rows = array("q")
-        """Per group queued with its record read, since the last of ``_row_chunks``: its
-        arena row (-1 without one); an array, so that the batch reads it as an index array
-        without converting an int per group."""
-        self._row_chunks: list[NDArray[np.int64]] = []
-        self._chunk_arenas: list[RewardArena | None] = []
-        """The queue's arena rows before ``_rows``, in queue order: the rows arrays
-        ``submit_complete`` was given, kept as they are (concatenated once per batch), each
-        with its arena; and runs of ``_rows`` closed by such a call, with None."""
+        """Per queued group: its arena row (-1 without one); an array, so that the batch
+        reads it as an index array without converting an int per group (a rows array given
+        to ``submit_complete`` is appended as bytes: cheaper than keeping each array and
+        concatenating them per batch)."""
         self._owed_starts = array("q")
         self._owed_counts = array("q")
         """Runs of groups owed to a stream: first position in the queue, how many."""
@@ -615,8 +606,6 @@ class GroupFinalizer:
         """Per owed run: its stream's number, the request (in that stream) that finished it."""
         self._flow_numbers: dict[RewardFlow, int] = {}
         """The streams owed results of the queued groups, numbered in ``_flow_of``."""
-        self._record_bytes = 0
-        """Of the groups queued with their records read (the others' are in their arenas)."""
         self._members = 0
         self._metric_groups = 0
         """Queued groups with at least one filter metric."""
@@ -642,8 +631,8 @@ class GroupFinalizer:
 
     def submit(self, finished: FinishedGroup) -> None:
         """Queues a finished group; the run loop reduces it within ``window_s``. O(1): the
-        group's place in the batch, the stream owed its result and its bytes go into arrays
-        here, so that the batch needs no pass over its groups."""
+        group's place in the batch and the stream owed its result go into arrays here, so
+        that the batch needs no pass over its groups."""
         group = finished.group
         position = len(self._pending)
         if finished.origin is not None:
@@ -660,7 +649,6 @@ class GroupFinalizer:
         self._rows.append(group.arena_row if group.arena is not None else -1)
         if group.with_metrics:
             self._metric_groups += 1
-        self._record_bytes += group.memory_bytes
         self._members += group.size + group.replaced  # at most: some may never have joined
         self._wake.set()
 
@@ -679,12 +667,11 @@ class GroupFinalizer:
 
         ``rows`` given: the caller holds what the queue needs of the groups (the router's
         whole-request path): their arena rows, int64 (G,), all in one arena whose ``key``
-        is not -1 (so they reduce together), kept by the queue as given (the caller does not
-        change it afterwards); and the request that completed them gave no filter metric
-        (so none of them has one for every member, and its metrics are never reported: the
-        batch need not read them). Then the call reads no group record but the first: O(1)
-        Python; the batch reads the groups' ``memory_bytes`` from the arena's column.
-        Otherwise it reads each record."""
+        is not -1 (so they reduce together); and the request that completed them gave no
+        filter metric (so none of them has one for every member, and its metrics are never
+        reported: the batch need not read them). Then the call reads no group record but the
+        first: O(1) Python (the batch reads the groups' ``memory_bytes`` from the arena's
+        column). Otherwise it reads each record."""
         count = len(groups)
         if not count:
             return
@@ -699,10 +686,7 @@ class GroupFinalizer:
             self._times.append(finalize_time)
             self._versions.append(trainer_version)
             self._keys.append(arena.key)
-            if self._rows:  # rows queued before this, in order
-                self._close_rows()
-            self._row_chunks.append(rows)
-            self._chunk_arenas.append(arena)
+            self._rows.frombytes(rows.tobytes())
             self._submitted += count
             self._members += count * first.size
             self._wake.set()
@@ -710,11 +694,10 @@ class GroupFinalizer:
         # One pass over the groups, each record read once (a pass per field costs a cache
         # miss per group each time once the groups outnumber the cache).
         keys, at = [], []
-        record_bytes = members = metric_groups = 0
+        members = metric_groups = 0
         for group in groups:
             keys.append(group.reduce_key)
             at.append(group.arena_row)
-            record_bytes += group.memory_bytes
             members += group.size
             if group.with_metrics:
                 metric_groups += 1
@@ -725,7 +708,6 @@ class GroupFinalizer:
             for key in keys:
                 self._run(1, finalize_time, trainer_version, key)
         self._rows.extend(at)
-        self._record_bytes += record_bytes
         self._members += members
         self._metric_groups += metric_groups
         self._wake.set()
@@ -743,37 +725,6 @@ class GroupFinalizer:
         self._versions.append(trainer_version)
         self._keys.append(key)
         self._submitted += count
-
-    def _close_rows(self) -> None:
-        """Moves ``_rows`` to the end of ``_row_chunks`` (the ndarray holds the array)."""
-        self._row_chunks.append(np.frombuffer(self._rows, dtype=np.int64))
-        self._chunk_arenas.append(None)
-        self._rows = array("q")
-
-    def _queued_rows(self) -> tuple[NDArray[np.intp], int]:
-        """Every queued group's arena row, intp (G,), in queue order, and the sum of the
-        ``memory_bytes`` of the groups queued by row (from their arenas' columns, read
-        before the batch releases the rows): O(1) NumPy calls per batch, one per arena
-        when the rows of several arenas were queued so. Empties the row queue."""
-        if self._rows:
-            self._close_rows()
-        chunks, self._row_chunks = self._row_chunks, []
-        arenas, self._chunk_arenas = self._chunk_arenas, []
-        if not chunks:
-            return _NO_POSITIONS, 0
-        rows = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
-        head = arenas[0]
-        if head is not None and arenas.count(head) == len(arenas):  # all queued by row
-            return rows.astype(np.intp, copy=False), int(head.memory_bytes.take(rows).sum())
-        by_arena: dict[RewardArena, list[NDArray[np.int64]]] = {}
-        for arena, chunk in zip(arenas, chunks, strict=True):
-            if arena is not None:
-                by_arena.setdefault(arena, []).append(chunk)
-        total = 0
-        for arena, mine in by_arena.items():
-            at = mine[0] if len(mine) == 1 else np.concatenate(mine)
-            total += int(arena.memory_bytes.take(at).sum())
-        return rows.astype(np.intp, copy=False), total
 
     def _owe(self, origin: StreamOrigin, position: int, count: int) -> None:
         """The ``count`` groups queued from ``position`` on are owed to ``origin``'s stream."""
@@ -796,14 +747,13 @@ class GroupFinalizer:
         times, self._times = self._times, array("d")
         versions, self._versions = self._versions, array("q")
         keys, self._keys = self._keys, array("q")
-        rows, row_bytes = self._queued_rows()
+        row_array, self._rows = self._rows, array("q")
         owed_starts, self._owed_starts = self._owed_starts, array("q")
         owed_counts, self._owed_counts = self._owed_counts, array("q")
         flow_of, self._flow_of = self._flow_of, array("q")
         requests, self._requests = self._requests, array("q")
         flows, self._flow_numbers = list(self._flow_numbers), {}
         with_metrics, self._metric_groups = self._metric_groups, 0
-        record_bytes, self._record_bytes = self._record_bytes + row_bytes, 0
         members, self._members = self._members, 0
         if not finished:
             return None
@@ -825,10 +775,17 @@ class GroupFinalizer:
         finalize_times = _expand(times, counts, np.float64)
         trainer_versions = _expand(versions, counts, np.uint64)
         head = keys[0]
+        rows = np.frombuffer(row_array, dtype=np.int64).astype(np.intp, copy=False)
         made: tuple[FinishedGroup, ...] | None = None
         if head >= 0 and keys.count(head) == len(keys):
+            # One key: one size, so one arena, whose column mirrors each open group's
+            # ``memory_bytes`` (read before ``_reduce_uniform`` releases the rows).
+            arena = groups[0].arena
+            assert arena is not None  # a reduce_key is only given with an arena row
+            record_bytes = int(arena.memory_bytes.take(rows).sum())
             batch = self._reduce_uniform(groups, rows, cursors, with_metrics > 0)
         else:
+            record_bytes = sum(g.memory_bytes for g in groups)  # a pass per group anyway
             made = finished_groups(groups, special, finalize_times, trainer_versions)
             group_keys = _expand(keys, counts, np.int64).tolist()
             batch = self._reduce_general(made, group_keys, rows.tolist(), cursors)
