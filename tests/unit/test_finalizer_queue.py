@@ -66,6 +66,16 @@ def cursors(router: SessionRouter, gids: list[str]) -> list[int]:
     return cursor
 
 
+def restart(tmp_path: Path) -> tuple[SqliteJournal, SessionRouter]:
+    """A router restored from the journal in ``tmp_path`` (its journal started), one worker."""
+    again = SqliteJournal(tmp_path)
+    restored = make_router(again, workers=False)
+    restored.restore(again.load())
+    again.start()
+    restored.register_worker("w0", "10.0.0.0:1", 1024, {})
+    return again, restored
+
+
 def test_array_queued_groups_get_their_cursors_when_asked() -> None:
     router = make_router()
     groups = [group(router, f"g{k}") for k in range(3)]
@@ -175,11 +185,7 @@ async def test_cursors_of_array_queued_groups_survive_the_journal_and_a_restart(
     assert cursors(router, ["g0", "g1", "g2"]) == [1, 2, 3]
     await journal.close()
 
-    again = SqliteJournal(tmp_path)
-    restored = make_router(again, workers=False)
-    restored.restore(again.load())
-    again.start()
-    restored.register_worker("w0", "10.0.0.0:1", 1024, {})
+    again, restored = restart(tmp_path)
     assert cursors(restored, ["g0", "g1", "g2"]) == [1, 2, 3]
     assert restored.feed.last_cursor == 3
     more = group(restored, "after")
@@ -354,11 +360,7 @@ async def test_groups_restored_open_bring_their_bytes_after_a_restart(tmp_path: 
     expected = half.memory_bytes
     await journal.close()
 
-    again = SqliteJournal(tmp_path)
-    restored = make_router(again, workers=False)
-    restored.restore(again.load())
-    again.start()
-    restored.register_worker("w0", "10.0.0.0:1", 1024, {})
+    again, restored = restart(tmp_path)
     back = restored.get_group("o1")
     assert back.memory_bytes == expected
     rest = [(back, i) for i in range(1, 4)]
