@@ -778,14 +778,8 @@ class GroupFinalizer:
         rows = np.frombuffer(row_array, dtype=np.int64).astype(np.intp, copy=False)
         made: tuple[FinishedGroup, ...] | None = None
         if head >= 0 and keys.count(head) == len(keys):
-            # One key: one size, so one arena, whose column mirrors each open group's
-            # ``memory_bytes`` (read before ``_reduce_uniform`` releases the rows).
-            arena = groups[0].arena
-            assert arena is not None  # a reduce_key is only given with an arena row
-            record_bytes = int(arena.memory_bytes.take(rows).sum())
             batch = self._reduce_uniform(groups, rows, cursors, with_metrics > 0)
         else:
-            record_bytes = sum(g.memory_bytes for g in groups)  # a pass per group anyway
             made = finished_groups(groups, special, finalize_times, trainer_versions)
             group_keys = _expand(keys, counts, np.int64).tolist()
             batch = self._reduce_general(made, group_keys, rows.tolist(), cursors)
@@ -795,7 +789,6 @@ class GroupFinalizer:
             special=special,
             finalize_times=finalize_times,
             trainer_versions=trainer_versions,
-            record_bytes=record_bytes,
             members=members,
         )
         batch._memo.finished = made
@@ -821,7 +814,9 @@ class GroupFinalizer:
         with_metrics: bool,
     ) -> FinalizedBatch:
         """Complete groups of one size and estimator: one gather, one row-path reduction
-        (the batch's per-group fields are set by the caller)."""
+        (the batch's per-group fields are set by the caller). One key means one size, so one
+        arena, whose ``memory_bytes`` column mirrors each open group's record: the batch's
+        ``record_bytes`` is one take over it, read before the rows are released."""
         group = groups[0]
         arena = group.arena
         assert arena is not None  # a reduce_key is only given with an arena row
@@ -839,6 +834,7 @@ class GroupFinalizer:
             has = np.zeros(n_groups, dtype=np.bool_)
             # No metric anywhere: one NaN seen N times (read-only, no 8 bytes per member).
             flat_metrics = np.broadcast_to(np.float64(np.nan), (n_groups * n,))
+        record_bytes = int(arena.memory_bytes.take(at).sum())
         arena.release(at)
         return FinalizedBatch(
             groups=(),
@@ -856,6 +852,7 @@ class GroupFinalizer:
             filter_metrics=flat_metrics,
             has_filter_metrics=has,
             width=n,
+            record_bytes=record_bytes,
         )
 
     def _reduce_general(
@@ -942,6 +939,7 @@ class GroupFinalizer:
             filter_metrics=metrics,
             has_filter_metrics=has,
             width=0,
+            record_bytes=sum(f.group.memory_bytes for f in finished),  # read per group anyway
         )
 
     def publish_batch(self, batch: FinalizedBatch | None) -> None:

@@ -1135,6 +1135,8 @@ class SessionRouter:
         bounds = request.bounds
         widen = self.groups.widen_versions
         completed: list[GroupRecord] = []
+        done: list[int] = []
+        """Positions in ``request.groups`` of the ``completed`` groups."""
         for k, group in enumerate(request.groups):
             start, end = bounds[k], bounds[k + 1]
             run = sessions[start:end]
@@ -1146,10 +1148,11 @@ class SessionRouter:
             group.rewarded += end - start
             if group.rewarded == group.size == len(group.members):
                 completed.append(group)
+                done.append(k)
         if completed:
             rows = request.group_rows  # the arena rows ``uniform`` found, as the queue takes them
-            if len(completed) < len(rows):  # only some: the rows of those
-                rows = rows[[k for k, g in enumerate(request.groups) if g.rewarded == g.size]]
+            if len(done) < len(rows):  # only some: the rows of those
+                rows = rows[done]
             self._finish_complete(completed, origin, rows)
         for worker_id, held in freed.items():
             self.workers.release_sessions(worker_id, held)
@@ -1230,7 +1233,7 @@ class SessionRouter:
     ) -> None:
         """``_finish`` for groups that are complete with every member rewarded and none
         replaced (nothing to release, nothing to exclude): one finalizer call for all of
-        them, with no per-group record built; ``rows`` and the rest as
+        them, with no per-group record built; ``rows``: their arena rows, as
         ``GroupFinalizer.submit_complete`` takes them, when the caller holds them."""
         now = self.clock.wall()
         mark_finished = self.groups.mark_finished
