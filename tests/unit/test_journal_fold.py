@@ -3,6 +3,8 @@ the rows follow."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from sessionrouter.server.core.estimators import EstimatorParams
@@ -134,3 +136,17 @@ def test_a_batch_survives_its_log_row_format_exactly() -> None:
     back = decode_batch(batch.encode())
     assert back.events == batch.events
     assert back.values == [1 / 3]  # the exact float
+
+
+def test_each_request_row_gets_its_own_fingerprint_when_some_are_shared() -> None:
+    """Fingerprints are encoded once per fold and reused for the requests that share one:
+    every row still carries the JSON of its own request's fingerprint, in event order."""
+    member = ("session", "t", "g1", 2)
+    made = ("session", "t", None, 8)
+    prints = [member, made, member, ("group", "t", "g2", 4), made, ("session", 'ü"', None, 1)]
+    events = [RequestSaved(f"r{k}", k + 1, 0, p) for k, p in enumerate(prints)]
+    changes = fold(events, ([], [], []), last_cursor=0, next_seq=1)
+    assert [row[0] for row in changes.requests] == [f"r{k}" for k in range(len(prints))]
+    assert [json.loads(row[3]) for row in changes.requests] == [list(p) for p in prints]
+    assert changes.requests[0][3] == '["session","t","g1",2]'
+    assert changes.requests[5][3] == '["session","\\u00fc\\"",null,1]'

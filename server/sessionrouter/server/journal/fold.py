@@ -122,12 +122,14 @@ def fold(
     changes = RowChanges(last_cursor=last_cursor, next_seq=next_seq)
     new_groups, new_sessions = changes.new_groups, changes.new_sessions
     seqs, idxs, values = list(rewards[0]), list(rewards[1]), list(rewards[2])
+    # Fingerprint -> its JSON, for this fold: the members of a group started with its id
+    # share one, and so do all the calls that let the router make the group; encoding one
+    # costs about as much as the rest of the fold does per event.
+    fingerprints: dict[tuple[object, ...], str] = {}
+    # The branches go by how often their events come: a StartSession logs SessionStarted
+    # and, with a request id, RequestSaved; most rewards come as columns, not events.
     for ev in events:
-        if isinstance(ev, RewardSaved):
-            seqs.append(ev.group_seq)
-            idxs.append(ev.idx)
-            values.append(ev.reward)
-        elif isinstance(ev, SessionStarted):
+        if isinstance(ev, SessionStarted):
             new_sessions[(ev.group_seq, ev.idx)] = [
                 ev.group_seq,
                 ev.idx,
@@ -147,9 +149,18 @@ def fold(
                 ev.start_version,
                 0,
             ]
+        elif isinstance(ev, RequestSaved):
+            fingerprint = fingerprints.get(ev.fingerprint)
+            if fingerprint is None:
+                fingerprint = fingerprints[ev.fingerprint] = encode_json(list(ev.fingerprint))
+            changes.requests.append((ev.request_id, ev.group_seq, ev.idx, fingerprint))
         elif isinstance(ev, GroupCreated):
             new_groups[ev.seq] = [*ev, "open", 0, *NO_RESULT]
             changes.next_seq = max(changes.next_seq, ev.seq + 1)
+        elif isinstance(ev, RewardSaved):
+            seqs.append(ev.group_seq)
+            idxs.append(ev.idx)
+            values.append(ev.reward)
         elif isinstance(ev, GroupFinalized | Finalized):
             final = Finalized.of(ev) if isinstance(ev, GroupFinalized) else ev
             row = new_groups.get(final.group_seq)
@@ -158,10 +169,6 @@ def fold(
             else:
                 row[GROUP_RESULT_START:] = final.columns
             changes.last_cursor = max(changes.last_cursor, final.columns[1])
-        elif isinstance(ev, RequestSaved):
-            changes.requests.append(
-                (ev.request_id, ev.group_seq, ev.idx, encode_json(list(ev.fingerprint)))
-            )
         elif isinstance(ev, SessionAborted):
             key = (ev.group_seq, ev.idx)
             session = new_sessions.get(key)
