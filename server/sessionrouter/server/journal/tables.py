@@ -36,7 +36,13 @@ from sessionrouter.server.core.events import (
     WorkerSaved,
 )
 from sessionrouter.server.core.groups import SessionRecord, SessionState
-from sessionrouter.server.journal.bulk import bulk_statements, marks
+from sessionrouter.server.journal.bulk import (
+    OPEN_GROUP_NULLS,
+    UNREWARDED_SESSION_NULLS,
+    bulk_statements,
+    marks,
+    split_rows,
+)
 from sessionrouter.server.journal.codecs import dump_map, load_map, result_from_columns
 from sessionrouter.server.journal.errors import JournalError
 from sessionrouter.server.journal.fold import RowChanges
@@ -594,8 +600,14 @@ class JournalTables:
         events = self.events + changes.events
         con.execute("BEGIN IMMEDIATE")
         try:
-            bulk["groups"].run(con, list(changes.new_groups.values()))
-            bulk["sessions"].run(con, list(changes.new_sessions.values()))
+            open_groups, groups = split_rows(changes.new_groups.values(), OPEN_GROUP_NULLS)
+            bulk["open_groups"].run(con, open_groups)
+            bulk["groups"].run(con, groups)
+            unrewarded, sessions = split_rows(
+                changes.new_sessions.values(), UNREWARDED_SESSION_NULLS
+            )
+            bulk["unrewarded_sessions"].run(con, unrewarded)
+            bulk["sessions"].run(con, sessions)
             bulk["rewards"].run(con, changes.rewards)
             bulk["aborts"].run(con, changes.aborts)
             bulk["lost"].run(con, changes.lost)
