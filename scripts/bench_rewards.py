@@ -14,7 +14,11 @@ included. Three ways of sending, each against an ack-only server that answers in
   ``columnar_results`` (what a trainer using the client gets).
 
 The ratios are the figures to quote: they say how much of the transport's ceiling the
-router's bookkeeping and reduction leave.
+router's bookkeeping and reduction leave. The last two columns are the client's own CPU per
+reward (this process: the driving loop and gRPC's threads) against each server: client and
+server share the machine's cores, so when the client costs more per reward than the ack-only
+server, the ack-only rewards/s is the client's ceiling, not the transport's, and the rewards/s
+ratio then says how much of the client's pace the router keeps.
 
 Steady state only: each run first sends ``--warmup`` messages on its open stream and waits for
 their acks (the channel is connected, the stream and the server's caches are warm), and only
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -64,20 +69,23 @@ def cpu_ns(pid: int) -> int:
 
 
 class Window:
-    """The timed stretch of one run: wall seconds and the server's CPU seconds between
+    """The timed stretch of one run: wall seconds, the server's CPU seconds and this
+    process's (the client's: the driving loop and gRPC's threads) CPU seconds between
     ``start`` (after the warm-up) and ``stop`` (the last ack)."""
 
     def __init__(self, pid: int | None = None) -> None:
         self._pid = pid
-        self._started = self._cpu = 0.0
-        self.seconds = self.cpu_seconds = 0.0
+        self._started = self._cpu = self._client_cpu = 0.0
+        self.seconds = self.cpu_seconds = self.client_cpu_seconds = 0.0
 
     def start(self) -> None:
         self._cpu = cpu_ns(self._pid) / 1e9 if self._pid is not None else 0.0
+        self._client_cpu = cpu_ns(os.getpid()) / 1e9
         self._started = time.perf_counter()
 
     def stop(self) -> None:
         self.seconds = time.perf_counter() - self._started
+        self.client_cpu_seconds = cpu_ns(os.getpid()) / 1e9 - self._client_cpu
         if self._pid is not None:
             self.cpu_seconds = cpu_ns(self._pid) / 1e9 - self._cpu
 
@@ -259,9 +267,9 @@ async def run_once(
     handles: Sequence[int],
     per_message: int,
     warmup: int = 0,
-) -> tuple[float, float]:
-    """Rewards/s and server CPU µs per reward of one run, over the rewards after the first
-    ``warmup`` messages."""
+) -> tuple[float, float, float]:
+    """Rewards/s, server CPU µs per reward and client CPU µs per reward of one run, over the
+    rewards after the first ``warmup`` messages."""
     window = Window(server.pid)
     if mode == "client":
         await drive_client(server.address, handles, per_message, window, warmup)
@@ -269,7 +277,11 @@ async def run_once(
         requests = requests_of(mode, names, handles, per_message)
         await drive_stubs(server.address, requests, window, warmup)
     timed = len(names) - min(len(names), warmup * per_message)
-    return timed / window.seconds, window.cpu_seconds / timed * 1e6
+    return (
+        timed / window.seconds,
+        window.cpu_seconds / timed * 1e6,
+        window.client_cpu_seconds / timed * 1e6,
+    )
 
 
 def uptime() -> str:
@@ -290,32 +302,36 @@ async def measure(args: argparse.Namespace) -> None:
     print(
         f"{'mode':>8} {'entries/msg':>11} {'router rew/s':>13} {'ack-only rew/s':>15}"
         f" {'ratio':>6} {'router µs CPU/rew':>18} {'ack-only µs':>12} {'CPU ratio':>10}"
+        f" {'client µs (router)':>19} {'client µs (ack-only)':>21}"
     )
     for mode in args.modes:
         for per_message in args.per_message:
             timed = args.rewards if per_message > 1 else args.rewards // 4
             count = timed + args.warmup * per_message
-            ours, base, ours_cpu, base_cpu = [], [], [], []
+            ours, base, ours_cpu, base_cpu, ours_client, base_client = [], [], [], [], [], []
             for _ in range(args.repeats):
                 with serve(
                     router_command("--heartbeat-timeout", "3600", *args.router_arg)
                 ) as router:
                     names, handles = await make_sessions_with_handles(router.address, count)
-                    rate, cpu = await run_once(
+                    rate, cpu, client = await run_once(
                         router, mode, names, handles, per_message, args.warmup
                     )
                     ours.append(rate)
                     ours_cpu.append(cpu)
+                    ours_client.append(client)
                 with serve(trivial) as ack_only:
-                    rate, cpu = await run_once(
+                    rate, cpu, client = await run_once(
                         ack_only, mode, names, handles, per_message, args.warmup
                     )
                     base.append(rate)
                     base_cpu.append(cpu)
+                    base_client.append(client)
             print(
                 f"{mode:>8} {per_message:>11} {median(ours):>13,.0f} {median(base):>15,.0f}"
                 f" {median(ours) / median(base):>6.2f} {median(ours_cpu):>18.2f}"
-                f" {median(base_cpu):>12.2f} {median(ours_cpu) / median(base_cpu):>10.1f}",
+                f" {median(base_cpu):>12.2f} {median(ours_cpu) / median(base_cpu):>10.1f}"
+                f" {median(ours_client):>19.2f} {median(base_client):>21.2f}",
                 flush=True,
             )
     print(f"# uptime after: {uptime()}")
