@@ -149,6 +149,49 @@ def fill_session(
         msg.replaced_by = session_name(s.group_id, s.replaced_by)
 
 
+_OPEN = pb.SESSION_STATE_OPEN
+
+
+def start_session_reply(started: router.StartedSession) -> spb.StartSessionResponse:
+    """The reply of a StartSession. A replayed start answers the session as it is now
+    (``fill_session``); a new one answers the record just placed, which is open, unrewarded
+    and unreplaced, so only the fields a placement sets are written (the test of this path
+    compares both ways field by field)."""
+    session, group = started.session, started.group
+    reply = spb.StartSessionResponse(
+        group_size=group.size,
+        group_created=started.group_created,
+        shared_worker=session.shared_worker,
+        replayed=started.replayed,
+        placement_mode=_PLACEMENT_TO_PROTO[group.settings.placement.mode],
+    )
+    msg = reply.session
+    if started.replayed:
+        fill_session(msg, session, group)
+        return reply
+    group_id, index = session.group_id, session.index
+    msg.name = f"groups/{group_id}/sessions/{index}"
+    msg.group_id = group_id
+    msg.index = index
+    msg.task_id = session.task_id
+    msg.worker_id = session.worker_id
+    msg.worker_address = session.worker_address
+    msg.state = _OPEN
+    ts = msg.create_time
+    ts.seconds, ts.nanos = divmod(int(session.create_time * 1e9), 1_000_000_000)
+    if session.request_id:
+        msg.request_id = session.request_id
+    if session.metadata:
+        msg.metadata.update(session.metadata)
+    if group.members_per_worker.get(session.worker_id, 0) > 1:
+        msg.shares_worker = True
+    version = session.start_version
+    if version:
+        msg.start_version = msg.min_version = msg.max_version = version
+    msg.handle = session_handle(group.seq, index)
+    return reply
+
+
 def estimator_to_proto(p: EstimatorParams) -> pb.EstimatorConfig:
     return pb.EstimatorConfig(name=p.name, eps=p.eps, ddof=p.ddof, batch_std=p.batch_std)
 
@@ -451,17 +494,17 @@ def group_state_from_proto(state: int) -> groups.GroupState | None:
 
 
 def start_session_from_proto(req: spb.StartSessionRequest) -> router.StartSessionCommand:
-    # Most callers give neither options nor metadata: skip converting what is not there.
+    # Most callers give neither options, metadata nor a placement mode: skip converting what
+    # is not there (positional: a dataclass built by keywords costs more per call).
+    mode = req.placement_mode
     return router.StartSessionCommand(
-        task_id=req.task_id,
-        group_id=req.group_id if req.HasField("group_id") else None,
-        group_size=req.group_size,
-        request_id=req.request_id,
-        metadata=dict(req.metadata) if req.metadata else {},
-        options=(
-            options_from_proto(req.group_options) if req.HasField("group_options") else NO_OPTIONS
-        ),
-        placement_mode=placement_from_proto(req.placement_mode),
+        req.task_id,
+        req.group_id if req.HasField("group_id") else None,
+        req.group_size,
+        req.request_id,
+        dict(req.metadata) if req.metadata else {},
+        options_from_proto(req.group_options) if req.HasField("group_options") else NO_OPTIONS,
+        placement_from_proto(mode) if mode else None,
     )
 
 

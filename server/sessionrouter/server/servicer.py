@@ -584,25 +584,25 @@ class SessionServicer(_Refusing, spb_grpc.SessionServiceServicer):
     async def StartSession(
         self, request: spb.StartSessionRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> spb.StartSessionResponse:
+        # The usual start (no admission wait, nothing pending) is one synchronous core call:
+        # no closure and no coroutine of ``_start`` or ``_durable`` per call.
+        router = self._router
         try:
             command = convert.start_session_from_proto(request)
-            started = await _start(
-                self._router,
-                lambda: self._router.start_session(command),
-                request.wait_for_admission,
-                context,
-            )
+            if request.wait_for_admission:
+                started = await _start(router, lambda: router.start_session(command), True, context)
+            else:
+                try:
+                    started = router.start_session(command)
+                except LeasePendingError as pending:  # a shard's lease ran out
+                    started = await pending.retry(lambda: router.start_session(command))
         except RouterError as error:
             await self._abort(context, error)
-        reply = spb.StartSessionResponse(
-            group_size=started.group.size,
-            group_created=started.group_created,
-            shared_worker=started.session.shared_worker,
-            replayed=started.replayed,
-            placement_mode=convert.placement_to_proto(started.group),
-        )
-        convert.fill_session(reply.session, started.session, started.group)
-        await self._durable(context)
+        reply = convert.start_session_reply(started)
+        try:
+            await self._commit()
+        except RouterError as error:
+            await self._abort(context, error)
         return reply
 
     async def StartGroup(

@@ -605,9 +605,13 @@ class GroupLedger:
         if high > group.counted_max_version:
             group.counted_max_version = high
 
-    def member_joined(self, group: GroupRecord, metadata: Mapping[str, str]) -> None:
-        """A member was placed in ``group``, already added: counts its bytes."""
-        cost = member_cost(group, metadata)
+    def member_joined(
+        self, group: GroupRecord, metadata: Mapping[str, str], cost: int = -1
+    ) -> None:
+        """A member was placed in ``group``, already added: counts its bytes (``cost``: its
+        ``member_cost`` when the caller has it, -1 to compute it here)."""
+        if cost < 0:
+            cost = member_cost(group, metadata)
         group.retained_bytes += cost
         group.memory_bytes += RECORD_MEMBER_BYTES + metadata_memory(metadata)
         arena = group.arena

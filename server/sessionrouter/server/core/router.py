@@ -629,16 +629,19 @@ class SessionRouter:
                 # StartGroup request records no index), so the first reply said created.
                 created_it = replay.index == 0
                 return StartedSession(replayed.members[replay.index], replayed, created_it, True)
-        self._check_accepting()
+        if not self._accepting:
+            self._check_accepting()
         existing = self.groups.find(cmd.group_id) if cmd.group_id is not None else None
         if existing is not None:
             group = existing
             check_joinable(
                 group, task_id, cmd.group_size, cmd.options, self.settings, cmd.placement_mode
             )
-            self._check_fleet_update()
-            self._check_bytes(member_cost(group, metadata))
-            session = self._place_member(group, request_id, metadata)
+            if self.weight_update is not None:
+                self._check_fleet_update()
+            cost = member_cost(group, metadata)
+            self._check_bytes(cost)
+            session = self._place_member(group, request_id, metadata, cost=cost)
             created = False
         else:
             size = cmd.group_size or 1
@@ -807,14 +810,18 @@ class SessionRouter:
         request_id: str,
         metadata: dict[str, str],
         policy: PlacementPolicy | None = None,
+        cost: int = -1,
     ) -> SessionRecord:
+        """Places one more member of ``group``; ``cost`` is its ``member_cost`` when the
+        caller has it already (-1: computed here, for a group the ledger holds)."""
         policy = policy or group.settings.placement
         per_worker = group.members_per_worker
-        worker = fresh_worker(self.workers, per_worker, policy)
+        workers = self.workers
+        worker = fresh_worker(workers, per_worker, policy)
         shared = False
         if worker is None:
             choice = choose_worker(
-                self.workers,
+                workers,
                 group.group_id,
                 group.size,
                 per_worker,
@@ -838,11 +845,12 @@ class SessionRouter:
             min_version=worker.policy_version,
             max_version=worker.policy_version,
         )
-        if self.groups.find(group.group_id) is group:
-            self.groups.member_joined(group, metadata)
+        ledger = self.groups
+        if ledger.find(group.group_id) is group:
+            ledger.member_joined(group, metadata, cost)
         group.members.append(session)
         per_worker[worker.worker_id] = per_worker.get(worker.worker_id, 0) + 1
-        self.workers.add_session(worker, session)
+        workers.add_session(worker, session)
         if shared:
             self.stats.sessions_shared += 1
         else:

@@ -407,8 +407,15 @@ class WorkerRegistry:
 
     def add_session(self, worker: WorkerRecord, session: PlacedSession) -> None:
         """Counts a session placed on ``worker``."""
-        was_eligible = worker.eligible
-        worker.open_sessions.add(session)
+        held = worker.open_sessions
+        # ``worker.eligible`` written out: this runs on every placement.
+        was_eligible = (
+            worker.healthy
+            and not worker.draining
+            and not worker.updating_to
+            and len(held) < worker.capacity
+        )
+        held.add(session)
         self._changed(worker, was_eligible)
 
     def release_session(self, worker_id: str, session: PlacedSession) -> None:
@@ -456,13 +463,16 @@ class WorkerRegistry:
 
         Cost: O((k + s) log W) where k is the number of excluded workers met on the way
         (at most the group's size) and s the stale entries discarded."""
-        self.refresh()
-        heap = self.pool(selector).heap
+        if self._stale:
+            self.refresh()
+        # The all-workers pool is never evicted, so it needs no use stamp (``pool``).
+        heap = self.pool(selector).heap if selector else self._all.heap
+        workers = self._workers
         skipped: list[_HeapEntry] = []
         found: WorkerRecord | None = None
         while heap:
             entry = heap[0]
-            worker = self._workers.get(entry[2])
+            worker = workers.get(entry[2])
             if worker is None or worker.version != entry[3] or not worker.eligible:
                 heapq.heappop(heap)
                 continue
@@ -500,23 +510,25 @@ class WorkerRegistry:
         labels = worker.labels
         before_labels = labels if old_labels is None else old_labels
         before_capacity = old_capacity or worker.capacity
-        entry = _entry(worker) if eligible else None
         limit = 4 * len(self._workers) + 64
-        steady = (
+        if (
             was_eligible
             and eligible
             and before_labels is labels
             and before_capacity == worker.capacity
-        )
-        if steady:
+        ):
             # The usual change (a placement, a heartbeat): eligible before and after, same
             # labels and capacity, so no pool's count or capacity moves; each pool it is in
-            # only gets its fresh entry.
-            assert entry is not None
+            # only gets its fresh entry. Written out (entry, push): it runs on every placement.
+            held = len(worker.open_sessions)
+            fresh = (held / worker.capacity, held, worker.worker_id, worker.version)
             for pool in self._pools.values():
-                if matches(labels, pool.selector):
-                    self._push(pool, entry, limit)
+                if not pool.selector or matches(labels, pool.selector):
+                    heapq.heappush(pool.heap, fresh)
+                    if len(pool.heap) > limit:
+                        self._rebuild(pool)
             return
+        entry = _entry(worker) if eligible else None
         for pool in self._pools.values():
             selector = pool.selector
             match = matches(labels, selector)
