@@ -148,7 +148,9 @@ class RouterServer:
         if self.shards is not None:
             self._sessions, workers = self.shards.servicers(self._commit, self.refusals)
         else:
-            self._sessions = SessionServicer(self.router, self._commit, self.refusals)
+            # In memory the commit is ``no_journal`` itself, which StartSession skips.
+            commit = self._commit if self.journal is not None else no_journal
+            self._sessions = SessionServicer(self.router, commit, self.refusals)
             workers = WorkerServicer(self.router, self._commit, self.refusals)
         spb_grpc.add_SessionServiceServicer_to_server(self._sessions, guarded)
         wpb_grpc.add_WorkerServiceServicer_to_server(workers, guarded)

@@ -158,15 +158,17 @@ def start_session_reply(started: router.StartedSession) -> spb.StartSessionRespo
     and unreplaced, so only the fields a placement sets are written (the test of this path
     compares both ways field by field)."""
     session, group = started.session, started.group
-    reply = spb.StartSessionResponse(
-        group_size=group.size,
-        group_created=started.group_created,
-        shared_worker=session.shared_worker,
-        replayed=started.replayed,
-        placement_mode=_PLACEMENT_TO_PROTO[group.settings.placement.mode],
-    )
+    # Fields set one by one, and only when not the default: cheaper than the keywords.
+    reply = spb.StartSessionResponse()
+    reply.group_size = group.size
+    reply.placement_mode = _PLACEMENT_TO_PROTO[group.settings.placement.mode]
+    if started.group_created:
+        reply.group_created = True
+    if session.shared_worker:
+        reply.shared_worker = True
     msg = reply.session
     if started.replayed:
+        reply.replayed = True
         fill_session(msg, session, group)
         return reply
     group_id, index = session.group_id, session.index

@@ -599,10 +599,12 @@ class SessionServicer(_Refusing, spb_grpc.SessionServiceServicer):
         except RouterError as error:
             await self._abort(context, error)
         reply = convert.start_session_reply(started)
-        try:
-            await self._commit()
-        except RouterError as error:
-            await self._abort(context, error)
+        commit = self._commit
+        if commit is not no_journal:
+            try:
+                await commit()
+            except RouterError as error:
+                await self._abort(context, error)
         return reply
 
     async def StartGroup(

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import functools
 
-from sessionrouter.server.core.commands import OptionsSpec, StartGroupCommand, StartSessionCommand
+from sessionrouter.server.core.commands import (
+    NO_OPTIONS,
+    OptionsSpec,
+    StartGroupCommand,
+    StartSessionCommand,
+)
 from sessionrouter.server.core.errors import FailedPrecondition, InvalidArgument
 from sessionrouter.server.core.estimators import EstimatorParams, validate_params
 from sessionrouter.server.core.groups import GroupRecord, GroupSettings, GroupState
@@ -14,12 +19,12 @@ from sessionrouter.server.core.placement import PlacementMode, PlacementPolicy
 from sessionrouter.server.core.settings import RouterSettings
 from sessionrouter.server.core.sizes import check_reply_fits
 from sessionrouter.server.core.validation import (
+    ID_PATTERN,
     LABEL_VALUE_MAX_LEN,
     MAX_DEADLINE_S,
     MAX_GROUP_SIZE,
     METADATA_VALUE_MAX_LEN,
     check_id,
-    check_optional_id,
     check_range,
     check_string_map,
 )
@@ -29,14 +34,22 @@ def check_start(
     cmd: StartSessionCommand | StartGroupCommand, min_group_size: int
 ) -> tuple[str, str, dict[str, str]]:
     """Checks the fields both start commands share; returns (task_id, request_id, metadata)."""
-    task_id = check_id("task_id", cmd.task_id)
-    request_id = check_optional_id("request_id", cmd.request_id)
-    if cmd.group_id is not None:
-        check_id("group_id", cmd.group_id)
+    # The checks of the usual start written out (an id that matches is valid, a size in
+    # range passes): each helper is called only to build the refusal.
+    task_id = cmd.task_id
+    if ID_PATTERN.fullmatch(task_id) is None:
+        check_id("task_id", task_id)
+    request_id = cmd.request_id
+    if request_id and ID_PATTERN.fullmatch(request_id) is None:
+        check_id("request_id", request_id)
+    group_id = cmd.group_id
+    if group_id is not None and ID_PATTERN.fullmatch(group_id) is None:
+        check_id("group_id", group_id)
     metadata = (
         check_string_map("metadata", cmd.metadata, METADATA_VALUE_MAX_LEN) if cmd.metadata else {}
     )
-    check_range("group_size", cmd.group_size, min_group_size, MAX_GROUP_SIZE)
+    if not min_group_size <= cmd.group_size <= MAX_GROUP_SIZE:
+        check_range("group_size", cmd.group_size, min_group_size, MAX_GROUP_SIZE)
     # Before anything is placed: a group whose reply a default client could not receive is
     # refused, not created and then undeliverable. With replace_lost every member may be
     # replaced once, so the group can come to hold twice its size.
@@ -94,7 +107,8 @@ def check_joinable(
             field_violations=[("group_size", f"group {gid!r} has size {group.size}")],
         )
     if (
-        not options.is_empty()
+        options is not NO_OPTIONS
+        and not options.is_empty()
         and resolve_options(options, group.size, defaults, group_mode) != group.settings
     ):
         raise InvalidArgument(
@@ -109,7 +123,7 @@ def check_joinable(
             f"group {gid!r} is {group.state.value}",
             metadata={"group_id": gid, "state": group.state.value},
         )
-    if group.full:
+    if len(group.members) - group.replaced >= group.size:  # group.full, written out
         raise FailedPrecondition(
             "GROUP_FULL",
             f"group {gid!r} already has all its {group.size} members",

@@ -37,6 +37,7 @@ from numpy.typing import NDArray
 from sessionrouter.server.core.admission import check_joinable, check_start, resolve_options
 from sessionrouter.server.core.clock import Clock, SystemClock
 from sessionrouter.server.core.commands import (
+    NO_OPTIONS,
     OptionsSpec,
     StartedGroup,
     StartedSession,
@@ -224,6 +225,8 @@ class SessionRouter:
         if journal is not None:
             self.attach_journal(journal)
         self._deadlines: list[tuple[float, int, str]] = []
+        self._default_settings: dict[tuple[int, PlacementMode | None], GroupSettings] = {}
+        """``_group_settings``' memory: the settings of groups started without options."""
         self.stats = RouterStats()
         self.on_group_finished: Callable[[GroupOutcome, float], None] | None = None
         """Called with each finished group's outcome and its seconds from creation to
@@ -646,7 +649,7 @@ class SessionRouter:
         else:
             size = cmd.group_size or 1
             self._check_room(size, task_id, metadata)
-            settings = resolve_options(cmd.options, size, self.settings, cmd.placement_mode)
+            settings = self._group_settings(cmd.options, size, cmd.placement_mode)
             self._check_admission()
             group_id = cmd.group_id or self.new_group_id()
             group = self._new_group(group_id, task_id, size, settings)
@@ -687,7 +690,7 @@ class SessionRouter:
                 metadata={"group_id": cmd.group_id},
             )
         self._check_room(cmd.group_size, task_id, metadata)
-        settings = resolve_options(cmd.options, cmd.group_size, self.settings, cmd.placement_mode)
+        settings = self._group_settings(cmd.options, cmd.group_size, cmd.placement_mode)
         self._check_admission()
         group = self._new_group(
             cmd.group_id or self.new_group_id(), task_id, cmd.group_size, settings
@@ -708,6 +711,22 @@ class SessionRouter:
             if request_id:
                 self.journal.append(RequestSaved(request_id, group.seq, None, fingerprint))
         return StartedGroup(group, any(s.shared_worker for s in group.members), False)
+
+    def _group_settings(
+        self, options: OptionsSpec, size: int, mode: PlacementMode | None
+    ) -> GroupSettings:
+        """``resolve_options``, remembered per (size, mode) for a start that gave no options
+        (the settings are frozen values, so groups may share one; a refusal raises and is
+        not remembered). At most ``MAX_GROUP_SIZE`` sizes times four modes."""
+        if options is not NO_OPTIONS:
+            return resolve_options(options, size, self.settings, mode)
+        key = (size, mode)
+        settings = self._default_settings.get(key)
+        if settings is None:
+            settings = self._default_settings[key] = resolve_options(
+                options, size, self.settings, mode
+            )
+        return settings
 
     def _replay(self, request_id: str, fingerprint: tuple[object, ...]) -> RequestRecord | None:
         record = self.groups.find_request(request_id)
@@ -788,15 +807,16 @@ class SessionRouter:
             self._journal_trainer()
         self.groups.add_group(group)
         heapq.heappush(self._deadlines, (group.deadline, group.seq, group.group_id))
-        log.debug(
-            "group created",
-            extra={
-                "event": "group_created",
-                "group_id": group.group_id,
-                "task_id": group.task_id,
-                "group_size": group.size,
-            },
-        )
+        if log.isEnabledFor(logging.DEBUG):  # not at the default level: no extra dict built
+            log.debug(
+                "group created",
+                extra={
+                    "event": "group_created",
+                    "group_id": group.group_id,
+                    "task_id": group.task_id,
+                    "group_size": group.size,
+                },
+            )
 
     def _forget_empty_group(self, group: GroupRecord) -> None:
         """Undoes the placements of a group that could not be completed (all or none)."""
@@ -831,19 +851,20 @@ class SessionRouter:
                 fresh_tried=True,
             )
             worker, shared = choice.worker, choice.shared
-        session = SessionRecord(
-            group_id=group.group_id,
-            index=len(group.members),
-            task_id=group.task_id,
-            worker_id=worker.worker_id,
-            worker_address=worker.address,
-            request_id=request_id,
-            metadata=metadata,
-            create_time=self.clock.wall(),
-            shared_worker=shared,
-            start_version=worker.policy_version,
-            min_version=worker.policy_version,
-            max_version=worker.policy_version,
+        version = worker.policy_version
+        session = SessionRecord(  # the first nine fields by position: cheaper than keywords
+            group.group_id,
+            len(group.members),
+            group.task_id,
+            worker.worker_id,
+            worker.address,
+            request_id,
+            metadata,
+            self.clock.wall(),
+            shared,
+            start_version=version,
+            min_version=version,
+            max_version=version,
         )
         ledger = self.groups
         if ledger.find(group.group_id) is group:

@@ -31,13 +31,15 @@ a uint64 above it is refused where it comes in rather than failing the journal l
 a micro-batch's for batch_std) could overflow float64 and publish an infinite std or NaN
 advantages; under it every statistic stays finite with a margin of 10**100."""
 
-_ID_RE = re.compile(r"[A-Za-z0-9._~:@+=-]{1,128}")
+ID_PATTERN = re.compile(r"[A-Za-z0-9._~:@+=-]{1,128}")
+"""What ``check_id`` accepts (``ID_PATTERN.fullmatch``), for hot paths that test before
+calling it."""
 _SESSION_NAME_RE = re.compile(r"groups/([A-Za-z0-9._~:@+=-]{1,128})/sessions/(0|[1-9][0-9]{0,5})")
 
 
 def check_id(field: str, value: str) -> str:
     """Returns ``value`` when it is a valid identifier, else raises InvalidArgument."""
-    if _ID_RE.fullmatch(value) is None:
+    if ID_PATTERN.fullmatch(value) is None:
         if not value:
             problem = "must not be empty"
         elif len(value) > ID_MAX_LEN:

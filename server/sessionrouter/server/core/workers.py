@@ -522,11 +522,19 @@ class WorkerRegistry:
             # only gets its fresh entry. Written out (entry, push): it runs on every placement.
             held = len(worker.open_sessions)
             fresh = (held / worker.capacity, held, worker.worker_id, worker.version)
+            stale = worker.version - 1
             for pool in self._pools.values():
                 if not pool.selector or matches(labels, pool.selector):
-                    heapq.heappush(pool.heap, fresh)
-                    if len(pool.heap) > limit:
-                        self._rebuild(pool)
+                    heap = pool.heap
+                    top = heap[0] if heap else None
+                    if top is not None and top[3] == stale and top[2] == worker.worker_id:
+                        # Its previous entry is on top (it was just chosen): replaced in
+                        # one sift rather than pushed over and popped by the next lookup.
+                        heapq.heapreplace(heap, fresh)
+                    else:
+                        heapq.heappush(heap, fresh)
+                        if len(heap) > limit:
+                            self._rebuild(pool)
             return
         entry = _entry(worker) if eligible else None
         for pool in self._pools.values():
