@@ -77,3 +77,42 @@ async def test_new_and_replayed_starts_answer_what_get_session_says(harness: Har
     assert again.replayed and again.group_created
     assert again.session.state == pb.SESSION_STATE_ABORTED
     await _same_as_general(h, again)
+
+
+async def test_groups_started_without_options_get_the_settings_of_their_own_size(
+    harness: Harness,
+) -> None:
+    """The settings of an option-less group are remembered per size and mode: a group of
+    another size or mode gets its own, and an empty options message resolves to the same."""
+    h = harness
+    await _register(h, "w1", 8, 0)
+
+    async def options_of(
+        group_id: str,
+        size: int,
+        options: pb.GroupOptions | None = None,
+        mode: spb.PlacementMode.ValueType = spb.PLACEMENT_MODE_UNSPECIFIED,
+    ) -> pb.GroupOptions:
+        await h.sessions.StartSession(
+            spb.StartSessionRequest(
+                task_id="t",
+                group_id=group_id,
+                group_size=size,
+                group_options=options,
+                placement_mode=mode,
+            )
+        )
+        reply = await h.sessions.GetGroup(spb.GetGroupRequest(group_id=group_id))
+        return reply.group.options
+
+    one = await options_of("g1", 1)
+    three = await options_of("g3", 3)
+    assert one.min_members == 1 and three.min_members == 2  # min(server default 2, size)
+    assert await options_of("g3-again", 3) == three
+    assert await options_of("g3-empty", 3, pb.GroupOptions()) == three
+    spread = await h.sessions.GetGroup(spb.GetGroupRequest(group_id="g3"))
+    assert spread.placement_mode == spb.PLACEMENT_MODE_SPREAD
+    await options_of("g3-pack", 3, mode=spb.PLACEMENT_MODE_PACK)
+    reply = await h.sessions.GetGroup(spb.GetGroupRequest(group_id="g3-pack"))
+    assert reply.placement_mode == spb.PLACEMENT_MODE_PACK
+    assert reply.group.options == three  # the mode is not among the options
