@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sessionrouter.server.app import RouterServer, ServerConfig
 from sessionrouter.server.config import JournalConfig
 from sessionrouter.server.core.router import RouterSettings
+from sessionrouter.server.journal.writer import FOLD_IDLE_S
 from sessionrouter.v1 import session_service_pb2 as spb
 from sessionrouter.v1 import worker_service_pb2 as wpb
 from tests.support import Harness, start_harness, stop_harness
@@ -216,6 +217,29 @@ async def test_journal_commits_are_timed_and_sized(tmp_path: Path) -> None:
     assert _get(samples, "sessionrouter_journal_commit_events_count") == commits
     assert _get(samples, "sessionrouter_journal_commit_events_sum") >= 2
     assert _get(samples, "sessionrouter_journal_commit_bytes_sum") > 0
+
+
+async def test_journal_folds_are_timed_and_counted(tmp_path: Path) -> None:
+    """A journal idle for ``FOLD_IDLE_S`` folds its log into its tables: the pause it held
+    the loop for is observed, and the events it folded are counted."""
+    h = await start_harness(
+        RouterSettings(), metrics_port=0, journal=JournalConfig(str(tmp_path / "state"))
+    )
+    try:
+        await h.workers.RegisterWorker(
+            wpb.RegisterWorkerRequest(worker_id="w", address="a:1", capacity=8)
+        )
+        await h.sessions.StartGroup(spb.StartGroupRequest(task_id="t", group_size=4))
+        for _ in range(100):  # the idle fold comes FOLD_IDLE_S after the last commit
+            samples = await _samples(h)
+            if _get(samples, "sessionrouter_journal_fold_seconds_count"):
+                break
+            await asyncio.sleep(FOLD_IDLE_S)
+    finally:
+        await stop_harness(h)
+    assert _get(samples, "sessionrouter_journal_fold_seconds_count") >= 1
+    assert _get(samples, "sessionrouter_journal_fold_seconds_sum") > 0
+    assert _get(samples, "sessionrouter_journal_folded_events_total") >= 2  # worker, group
 
 
 async def test_rpc_metrics_can_be_switched_off() -> None:

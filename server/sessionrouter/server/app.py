@@ -212,6 +212,7 @@ class RouterServer:
         self.router.on_group_finished = histograms.group_finished
         if self.journal is not None:
             self.journal.on_commit = histograms.committed
+            self.journal.on_fold = histograms.folded
         try:
             self._metrics_http = serve_metrics(
                 registry, cfg.metrics_port, cfg.metrics_address, cfg.metrics_token

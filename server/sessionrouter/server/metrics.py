@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import Histogram, make_wsgi_app
+from prometheus_client import Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -42,6 +42,8 @@ COMMIT_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 """Seconds one journal batch takes to write and fsync."""
 COMMIT_EVENT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384)
 """Events per journal batch (group commit: one batch holds what the loop appended meanwhile)."""
+FOLD_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+"""Seconds one fold of the journal's log into its tables holds the event loop."""
 COMMIT_BYTE_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
 
 
@@ -194,6 +196,18 @@ class DomainHistograms:
             registry=registry,
         )
 
+        self.fold_seconds = Histogram(
+            "sessionrouter_journal_fold_seconds",
+            "Seconds each fold of the journal's log into its tables held the event loop",
+            buckets=FOLD_BUCKETS_S,
+            registry=registry,
+        )
+        self.fold_events = Counter(
+            "sessionrouter_journal_folded_events",
+            "Events folded from the journal's log into its tables",
+            registry=registry,
+        )
+
     def group_finished(self, outcome: GroupOutcome, seconds: float) -> None:
         self._completion[outcome].observe(seconds)
 
@@ -202,6 +216,11 @@ class DomainHistograms:
         self.commit_seconds.observe(seconds)
         self.commit_events.observe(events)
         self.commit_bytes.observe(size)
+
+    def folded(self, seconds: float, events: int) -> None:
+        """Called on the loop after each fold (``SqliteJournal.on_fold``)."""
+        self.fold_seconds.observe(seconds)
+        self.fold_events.inc(events)
 
 
 def is_loopback(host: str) -> bool:

@@ -183,6 +183,10 @@ class SqliteJournal:
         self.on_commit: Callable[[float, int, int], None] | None = None
         """Called on the loop after each batch is durable, with the seconds the write (and
         its fsync) took, its events and its encoded bytes (metrics)."""
+        self.on_fold: Callable[[float, int], None] | None = None
+        """Called after each fold into the tables with the seconds it held the thread that
+        ran it (the loop, once started: every caller in flight waited that long) and the
+        events it folded (metrics)."""
         self._closed = False
         self._stopping = False
         """Set by close(): a batch waiting for disk space gives up."""
@@ -609,6 +613,7 @@ class SqliteJournal:
         open are carried over to the next fold (see ``fold``), when idle or stopping not."""
         if self._unfolded:
             folded, self._unfolded = self._unfolded, Batch()
+            started = time.perf_counter()
             try:
                 self._unfolded = self.write(
                     folded.events,
@@ -620,6 +625,8 @@ class SqliteJournal:
             except BaseException:
                 self._unfolded = folded  # rolled back: still in the log, folded later
                 raise
+            if self.on_fold is not None:
+                self.on_fold(time.perf_counter() - started, len(folded))
             self._wal_pages += CHECKPOINT_PAGES  # hundreds of pages: checkpoint next batch
         self._compact_if_due()
 
