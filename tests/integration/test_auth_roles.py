@@ -108,17 +108,33 @@ def _unary(service: str, name: str, request: Callable[[Harness], Awaitable[Messa
     return call
 
 
+def _write_lost_the_race(error: grpc.aio.AioRpcError) -> bool:
+    """grpcio's asyncio client reports INTERNAL (``Failed "execute_batch"``) instead of the
+    server's status when its write reaches a stream the server has just ended, here by
+    refusing the caller (grpc/grpc#36066): the server's answer is lost to the client."""
+    said = f"{error.details()} {error.debug_error_string()}"
+    return error.code() == grpc.StatusCode.INTERNAL and "execute_batch" in said
+
+
 async def _submit_rewards(h: Harness, md: Metadata) -> object:
     session = (await _open_session(h)).session.name
-    call = h.sessions.SubmitRewards(metadata=md, timeout=5)
-    await call.write(
-        spb.SubmitRewardsRequest(sequence=1, entries=[spb.RewardEntry(session=session, reward=1)])
+    request = spb.SubmitRewardsRequest(
+        sequence=1, entries=[spb.RewardEntry(session=session, reward=1)]
     )
-    await call.done_writing()
-    responses = []
-    while (response := await call.read()) is not grpc.aio.EOF:
-        responses.append(response)
-    return responses
+    for _ in range(20):  # a lost race is rare: the server's status comes on a next try
+        call = h.sessions.SubmitRewards(metadata=md, timeout=5)
+        try:
+            await call.write(request)
+            await call.done_writing()
+        except grpc.aio.AioRpcError as error:
+            if _write_lost_the_race(error):
+                continue
+            raise
+        responses = []
+        while (response := await call.read()) is not grpc.aio.EOF:
+            responses.append(response)
+        return responses
+    raise AssertionError("every write lost the race with the server's status")
 
 
 async def _subscribe(h: Harness, md: Metadata) -> object:
