@@ -200,15 +200,22 @@ async def test_a_scripted_run_shows_rpc_refusal_and_group_metrics(
     assert (getattr(mismatch, "group_id", None), getattr(mismatch, "got", None)) == ("g1", "u")
 
 
-async def test_journal_commits_are_timed_and_sized(tmp_path: Path) -> None:
+async def _journaled_with_a_group(tmp_path: Path) -> Harness:
+    """A server with a journal in ``tmp_path``, one worker registered and one group started:
+    two journaled changes, each acknowledged after its commit."""
     h = await start_harness(
         RouterSettings(), metrics_port=0, journal=JournalConfig(str(tmp_path / "state"))
     )
+    await h.workers.RegisterWorker(
+        wpb.RegisterWorkerRequest(worker_id="w", address="a:1", capacity=8)
+    )
+    await h.sessions.StartGroup(spb.StartGroupRequest(task_id="t", group_size=4))
+    return h
+
+
+async def test_journal_commits_are_timed_and_sized(tmp_path: Path) -> None:
+    h = await _journaled_with_a_group(tmp_path)
     try:
-        await h.workers.RegisterWorker(
-            wpb.RegisterWorkerRequest(worker_id="w", address="a:1", capacity=8)
-        )
-        await h.sessions.StartGroup(spb.StartGroupRequest(task_id="t", group_size=4))
         samples = await _samples(h)
     finally:
         await stop_harness(h)
@@ -222,14 +229,8 @@ async def test_journal_commits_are_timed_and_sized(tmp_path: Path) -> None:
 async def test_journal_folds_are_timed_and_counted(tmp_path: Path) -> None:
     """A journal idle for ``FOLD_IDLE_S`` folds its log into its tables: the pause it held
     the loop for is observed, and the events it folded are counted."""
-    h = await start_harness(
-        RouterSettings(), metrics_port=0, journal=JournalConfig(str(tmp_path / "state"))
-    )
+    h = await _journaled_with_a_group(tmp_path)
     try:
-        await h.workers.RegisterWorker(
-            wpb.RegisterWorkerRequest(worker_id="w", address="a:1", capacity=8)
-        )
-        await h.sessions.StartGroup(spb.StartGroupRequest(task_id="t", group_size=4))
         for _ in range(100):  # the idle fold comes FOLD_IDLE_S after the last commit
             samples = await _samples(h)
             if _get(samples, "sessionrouter_journal_fold_seconds_count"):
