@@ -65,7 +65,8 @@ class Bulk:
     def __init__(
         self, con: sqlite3.Connection, template: str, columns: int, nulls: Sequence[int] = ()
     ) -> None:
-        kept = [k for k in range(columns) if k not in set(nulls)]
+        null = set(nulls)
+        kept = [k for k in range(columns) if k not in null]
         if nulls and len(kept) < 2:
             raise ValueError("a statement with NULL columns must bind at least two values")
         limit = con.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
@@ -73,7 +74,7 @@ class Bulk:
         self._template = template
         self._pick = operator.itemgetter(*kept) if nulls else None
         """Takes a row's bound values, when some are written as NULL."""
-        self._row = "({})".format(", ".join("NULL" if k in nulls else "?" for k in range(columns)))
+        self._row = "({})".format(", ".join("NULL" if k in null else "?" for k in range(columns)))
         self._sql: dict[int, str] = {}
 
     def _statement(self, rows: int) -> str:
