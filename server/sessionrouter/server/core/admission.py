@@ -123,7 +123,7 @@ def check_joinable(
             f"group {gid!r} is {group.state.value}",
             metadata={"group_id": gid, "state": group.state.value},
         )
-    if len(group.members) - group.replaced >= group.size:  # group.full, written out
+    if group.full:
         raise FailedPrecondition(
             "GROUP_FULL",
             f"group {gid!r} already has all its {group.size} members",

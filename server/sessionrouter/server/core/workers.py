@@ -407,15 +407,8 @@ class WorkerRegistry:
 
     def add_session(self, worker: WorkerRecord, session: PlacedSession) -> None:
         """Counts a session placed on ``worker``."""
-        held = worker.open_sessions
-        # ``worker.eligible`` written out: this runs on every placement.
-        was_eligible = (
-            worker.healthy
-            and not worker.draining
-            and not worker.updating_to
-            and len(held) < worker.capacity
-        )
-        held.add(session)
+        was_eligible = worker.eligible
+        worker.open_sessions.add(session)
         self._changed(worker, was_eligible)
 
     def release_session(self, worker_id: str, session: PlacedSession) -> None:
@@ -519,9 +512,8 @@ class WorkerRegistry:
         ):
             # The usual change (a placement, a heartbeat): eligible before and after, same
             # labels and capacity, so no pool's count or capacity moves; each pool it is in
-            # only gets its fresh entry. Written out (entry, push): it runs on every placement.
-            held = len(worker.open_sessions)
-            fresh = (held / worker.capacity, held, worker.worker_id, worker.version)
+            # only gets its fresh entry.
+            fresh = _entry(worker)
             stale = worker.version - 1
             for pool in self._pools.values():
                 if not pool.selector or matches(labels, pool.selector):
@@ -532,9 +524,7 @@ class WorkerRegistry:
                         # one sift rather than pushed over and popped by the next lookup.
                         heapq.heapreplace(heap, fresh)
                     else:
-                        heapq.heappush(heap, fresh)
-                        if len(heap) > limit:
-                            self._rebuild(pool)
+                        self._push(pool, fresh, limit)
             return
         entry = _entry(worker) if eligible else None
         for pool in self._pools.values():
