@@ -55,11 +55,6 @@ def check_id(field: str, value: str) -> str:
     return value
 
 
-def check_optional_id(field: str, value: str) -> str:
-    """Like check_id, but the empty string (meaning "not given") passes."""
-    return value if not value else check_id(field, value)
-
-
 def session_name(group_id: str, index: int) -> str:
     """The resource name of member ``index`` of ``group_id``."""
     return f"groups/{group_id}/sessions/{index}"
