@@ -22,8 +22,9 @@ batch waits for). Opening a journal folds what a crash left in ``log`` before an
 A busy loop batches longer. Each batch costs the loop several hundred microseconds of CPU
 beyond its calls (the INSERT, the hand-over with the fsync thread, and above all waking up
 and answering once per batch), and under load a batch only holds what arrived during one
-fsync: about two StartSession calls. So while the loop thread is busy (``BUSY_SHARE`` of its
-time or more over the last ``BUSY_SAMPLE_S``), the callers that came while another batch was
+fsync: about two StartSession calls. So while the loop thread is busy (on a core, or
+waiting runnable for one, ``BUSY_SHARE`` of its time or more over the last ``BUSY_SAMPLE_S``:
+``loop_demand``), the callers that came while another batch was
 being made durable wait for more: their batch starts ``BATCH_WINDOW_S`` after its first
 commit, or once no caller joined it for ``BATCH_QUIET_S``, or once it holds
 ``BATCH_MAX_EVENTS``, whichever comes first. The quiet rule is for a few callers that each
@@ -57,6 +58,7 @@ from sessionrouter.server.journal.errors import JournalError
 from sessionrouter.server.journal.fold import Rewards, fold
 from sessionrouter.server.journal.fsync_thread import FsyncThread, settle
 from sessionrouter.server.journal.logrows import Batch, Finalized, LoggedEvent
+from sessionrouter.server.journal.loop_demand import DemandClock
 from sessionrouter.server.journal.tables import CHECKPOINT_PAGES, JournalTables, SyncMode
 
 log = logging.getLogger("sessionrouter.journal")
@@ -84,8 +86,8 @@ once, then nobody; many independent callers keep coming)."""
 BATCH_MAX_EVENTS = 4096
 """A waiting batch that holds this many events starts at once."""
 BUSY_SHARE = 0.5
-"""Share of wall time the loop thread spent on the CPU, over the last sample, at or above
-which batches wait for each other (``BATCH_WINDOW_S``)."""
+"""Share of wall time the loop thread spent on a core or waiting for one (``loop_demand``),
+over the last sample, at or above which batches wait for each other (``BATCH_WINDOW_S``)."""
 BUSY_SAMPLE_S = 0.05
 """Loop time over which that share is measured (one sample is taken per batch at most)."""
 DISK_FULL_RETRY_S = 0.5
@@ -188,6 +190,8 @@ class SqliteJournal:
         ran it (the loop, once started: every caller in flight waited that long) and the
         events it folded (metrics)."""
         self._closed = False
+        self._demand: DemandClock | None = None
+        """The loop thread's time on or waiting for a core (``loop_demand``), made on it."""
         self._stopping = False
         """Set by close(): a batch waiting for disk space gives up."""
         self._full_reported = False
@@ -227,8 +231,8 @@ class SqliteJournal:
         self.busy = False
         """The loop thread was busy over the last sample (``BUSY_SHARE``): batches wait."""
         self._sample_at = 0.0
-        self._sample_cpu = 0.0
-        """Loop time and loop-thread CPU seconds at the start of the current busy sample."""
+        self._sample_demand = 0.0
+        """Loop time and the loop thread's demand at the start of the current busy sample."""
         self._next_at = 0.0
         """Loop time of the pending batch's first commit (its window counts from there)."""
         self._joined_at = 0.0
@@ -281,7 +285,8 @@ class SqliteJournal:
         self._loop = asyncio.get_running_loop()
         self._done = self._loop.create_future()
         self._done.set_result(None)
-        self._sample_at, self._sample_cpu = self._loop.time(), time.thread_time()
+        self._demand = DemandClock()
+        self._sample_at, self._sample_demand = self._loop.time(), self._demand()
         if full:
             tables = self._tables
             self._fsync = FsyncThread(
@@ -381,16 +386,18 @@ class SqliteJournal:
 
     def _sample_busy(self) -> None:
         """Updates ``busy`` once a sample of ``BUSY_SAMPLE_S`` of loop time has passed: the
-        share of it the loop thread spent on the CPU (its own CPU clock, so time the thread
-        waited for a core, for the GIL or in epoll does not count as busy)."""
+        share of it the loop thread spent on a core or waiting, runnable, for one
+        (``loop_demand``: on a machine whose cores other processes take, a saturated loop
+        is busy too). Time the thread waited for the GIL or in epoll does not count."""
         assert self._loop is not None
+        assert self._demand is not None
         now = self._loop.time()
         elapsed = now - self._sample_at
         if elapsed < BUSY_SAMPLE_S:
             return
-        cpu = time.thread_time()
-        self.busy = (cpu - self._sample_cpu) >= BUSY_SHARE * elapsed
-        self._sample_at, self._sample_cpu = now, cpu
+        demand = self._demand()
+        self.busy = (demand - self._sample_demand) >= BUSY_SHARE * elapsed
+        self._sample_at, self._sample_demand = now, demand
 
     def _dispatch(self) -> None:
         """Writes the pending batch into the log and starts its durability step."""
@@ -576,6 +583,8 @@ class SqliteJournal:
         if self._closed:
             return
         self._closed = True
+        if self._demand is not None:
+            self._demand.close()
         self._tables.close()
 
     def _report_full(self, error: BaseException) -> None:
