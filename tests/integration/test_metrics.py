@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sessionrouter.server.app import RouterServer, ServerConfig
 from sessionrouter.server.config import JournalConfig
+from sessionrouter.server.core.clock import ManualClock
 from sessionrouter.server.core.router import RouterSettings
 from sessionrouter.server.journal.writer import FOLD_IDLE_S
 from sessionrouter.v1 import session_service_pb2 as spb
@@ -296,3 +297,52 @@ async def test_a_taken_metrics_port_fails_the_start_with_one_message() -> None:
         with pytest.raises(OSError, match=rf"^metrics port {port}: .* \(127\.0\.0\.1\)$") as info:
             await server.start()
         assert "\n" not in str(info.value)
+
+
+async def test_completion_times_of_groups_finalized_together_and_alone() -> None:
+    """Groups a columnar request completes together are timed in one batch
+    (``on_groups_finished``), a group finalized on its own one at a time: both land in the
+    same histogram, each group once, in the bucket of its own age."""
+    clock = ManualClock()
+    h = await start_harness(RouterSettings(), clock=clock, metrics_port=0)
+    try:
+        for worker_id in ("w1", "w2", "w3", "w4"):
+            await h.workers.RegisterWorker(
+                wpb.RegisterWorkerRequest(worker_id=worker_id, address="a:1", capacity=8)
+            )
+        together = [
+            (await h.sessions.StartGroup(spb.StartGroupRequest(task_id="t", group_size=4))).group
+            for _ in range(3)
+        ]
+        clock.advance(7.0)
+        alone = (
+            await h.sessions.StartGroup(spb.StartGroupRequest(task_id="t", group_size=4))
+        ).group
+        handles = [m.handle for g in together for m in g.members]
+        columnar = spb.SubmitRewardsRequest(
+            columns=spb.RewardColumns(handles=handles, rewards=[1.0, 0.0] * 6),
+            columnar_results=True,
+        )
+        entries = spb.SubmitRewardsRequest(
+            entries=[spb.RewardEntry(session=m.name, reward=1.0) for m in alone.members],
+            sequence=1,
+        )
+        clock.advance(1.0)
+        call = h.sessions.SubmitRewards(_requests(columnar, entries))
+        groups_back = 0
+        async for response in call:
+            groups_back += len(response.result_batch.group_ids) + len(response.group_results)
+            if groups_back == 4:
+                break
+        call.cancel()
+        samples = await _samples(h)
+    finally:
+        await stop_harness(h)
+    name = "sessionrouter_group_completion_seconds"
+    assert _get(samples, f"{name}_count", outcome="complete") == 4
+    assert _get(samples, f"{name}_sum", outcome="complete") == pytest.approx(3 * 8.0 + 1.0)
+    assert _get(samples, f"{name}_bucket", outcome="complete", le="1.0") == 1  # the one alone
+    assert _get(samples, f"{name}_bucket", outcome="complete", le="5.0") == 1
+    assert _get(samples, f"{name}_bucket", outcome="complete", le="10.0") == 4
+    assert _get(samples, f"{name}_bucket", outcome="complete", le="+Inf") == 4
+    assert _get(samples, f"{name}_count", outcome="dropped") == 0

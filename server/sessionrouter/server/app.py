@@ -210,6 +210,7 @@ class RouterServer:
             registry.register(self.shards.collector())
         histograms = DomainHistograms(registry)
         self.router.on_group_finished = histograms.group_finished
+        self.router.on_groups_finished = histograms.groups_finished
         if self.journal is not None:
             self.journal.on_commit = histograms.committed
             self.journal.on_fold = histograms.folded

@@ -13,6 +13,7 @@ the figures (worker counts, refusal reasons) from anyone who can reach the port.
 
 from __future__ import annotations
 
+import bisect
 import hmac
 import ipaddress
 import logging
@@ -22,10 +23,13 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+import numpy as np
+from numpy.typing import NDArray
 from prometheus_client import Counter, Histogram, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.utils import floatToGoString
 
 from sessionrouter.server.core.feed import GroupOutcome
 from sessionrouter.server.core.router import SessionRouter
@@ -165,18 +169,74 @@ class RouterCollector(Collector):
         )
 
 
+class BatchHistogram(Collector):
+    """A histogram with one label, observed a batch of values at a time: one NumPy bucketing
+    of the batch (``searchsorted``, ``bincount``) instead of one ``Histogram.observe`` per
+    value (about 0.8 µs each: a reward stream finalizes 32 groups of 8 per request of 256
+    rewards, so per-group observations cost about 0.1 µs per reward). Exposed as the same
+    family a ``prometheus_client.Histogram`` of these buckets exposes (``_bucket`` with
+    cumulative ``le`` counts and ``+Inf``, ``_count``, ``_sum``; no ``_created``), with a
+    series for every label value from the start.
+
+    Observed on the event loop and read by the metrics listener's thread: a lock keeps a
+    scrape from reading a batch half-counted."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        label: str,
+        values: Iterable[str],
+        buckets: Iterable[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        self._name, self._documentation, self._label = name, documentation, label
+        self._bounds = np.asarray(sorted(buckets), dtype=np.float64)
+        self._bound_list = self._bounds.tolist()
+        width = len(self._bounds) + 1  # the last one is +Inf
+        self._counts = {v: np.zeros(width, dtype=np.int64) for v in values}
+        self._sums = dict.fromkeys(self._counts, 0.0)
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, value: str, seconds: float) -> None:
+        """One observation (a group finalized on its own)."""
+        slot = bisect.bisect_left(self._bound_list, seconds)  # v <= le counts in le
+        with self._lock:
+            self._counts[value][slot] += 1
+            self._sums[value] += seconds
+
+    def observe_many(self, value: str, seconds: NDArray[np.float64]) -> None:
+        """``seconds`` (n,) observations of label ``value``."""
+        slots = np.searchsorted(self._bounds, seconds, side="left")
+        counts = np.bincount(slots, minlength=len(self._bounds) + 1)
+        total = float(seconds.sum())
+        with self._lock:
+            self._counts[value] += counts
+            self._sums[value] += total
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self._name, self._documentation, labels=[self._label])
+        edges = [*map(floatToGoString, self._bound_list), "+Inf"]
+        with self._lock:
+            snapshot = [(v, c.cumsum().tolist(), self._sums[v]) for v, c in self._counts.items()]
+        for value, cumulative, total in snapshot:
+            family.add_metric([value], list(zip(edges, cumulative, strict=True)), total)
+        yield family
+
+
 class DomainHistograms:
     """Histograms the core and the journal feed through hooks (see ``attach``)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.group_completion = Histogram(
+        self.group_completion = BatchHistogram(
             "sessionrouter_group_completion_seconds",
             "Seconds from a group's creation to its finalization, by outcome",
-            ["outcome"],
-            buckets=GROUP_COMPLETION_BUCKETS_S,
-            registry=registry,
+            "outcome",
+            [o.value for o in GroupOutcome],
+            GROUP_COMPLETION_BUCKETS_S,
+            registry,
         )
-        self._completion = {o: self.group_completion.labels(o.value) for o in GroupOutcome}
         self.commit_seconds = Histogram(
             "sessionrouter_journal_commit_seconds",
             "Seconds to write and sync one journal batch",
@@ -209,7 +269,11 @@ class DomainHistograms:
         )
 
     def group_finished(self, outcome: GroupOutcome, seconds: float) -> None:
-        self._completion[outcome].observe(seconds)
+        self.group_completion.observe(outcome.value, seconds)
+
+    def groups_finished(self, outcome: GroupOutcome, seconds: NDArray[np.float64]) -> None:
+        """``seconds`` (n,): from creation to finalization of n groups of one outcome."""
+        self.group_completion.observe_many(outcome.value, seconds)
 
     def committed(self, seconds: float, events: int, size: int) -> None:
         """Called from the journal's writer thread (prometheus_client is thread-safe)."""

@@ -151,6 +151,7 @@ __all__ = [  # the command, result and settings types live in their own modules
 log = logging.getLogger("sessionrouter.router")
 
 _WORKER_LOST = operator.attrgetter("worker_lost")
+_CREATE_TIME = operator.attrgetter("create_time")
 _MIN_VERSION = operator.attrgetter("min_version")
 _MAX_VERSION = operator.attrgetter("max_version")
 _ACCEPTED = STATUS_CODES[RewardStatus.ACCEPTED]
@@ -231,6 +232,10 @@ class SessionRouter:
         self.on_group_finished: Callable[[GroupOutcome, float], None] | None = None
         """Called with each finished group's outcome and its seconds from creation to
         finalization (wall clock), for the completion-time histogram; None: not measured."""
+        self.on_groups_finished: Callable[[GroupOutcome, NDArray[np.float64]], None] | None = None
+        """``on_group_finished`` for many groups of one outcome at once, with their (n,)
+        seconds: the complete groups a reward request finalizes (dozens per request). Set
+        both or neither."""
         self._accepting = True
         self.reward_flows: set[RewardFlow] = set()
         """Open SubmitRewards streams (the transport adds and removes them): where
@@ -1266,13 +1271,13 @@ class SessionRouter:
         ``GroupFinalizer.submit_complete`` takes them, when the caller holds them."""
         now = self.clock.wall()
         mark_finished = self.groups.mark_finished
-        timed = self.on_group_finished
         complete = GroupOutcome.COMPLETE
         for group in groups:
             group.state = GroupState.FINALIZED
             mark_finished(group)
-            if timed is not None:
-                timed(complete, max(0.0, now - group.create_time))
+        if self.on_groups_finished is not None:
+            created = np.fromiter(map(_CREATE_TIME, groups), np.float64, len(groups))
+            self.on_groups_finished(complete, np.maximum(now - created, 0.0))
         self.stats.groups_finished[complete] += len(groups)
         self.finalizer.submit_complete(groups, origin, now, self.trainer.version, rows)
         if log.isEnabledFor(logging.DEBUG):
