@@ -372,6 +372,20 @@ def test_a_finalizer_batch_packs_as_its_results_would() -> None:
     _same(_pack(general.columns()), _reference_batch(general.results()))
 
 
+def test_member_indices_of_any_size_pack_as_their_results_would() -> None:
+    """Indices below 128 go as wire bytes (one byte per varint), larger ones (a group of
+    more than 128 members) through ``extend``: both parse to the same batch."""
+    for size in (127, 128, 129, 300):
+        router = make_router()
+        for w in range(8, size):
+            router.register_worker(f"w{w}", f"10.0.0.{w % 250}:1", 1_000_000, {})
+        finish_groups(router, 2, size)
+        batch = batch_of(router)
+        packed = _pack(batch.columns())
+        assert list(packed.member_indices) == [*range(size), *range(size)]
+        _same(packed, _reference_batch(batch.results()))
+
+
 def test_feed_messages_from_rows_match_those_from_results() -> None:
     router = make_router()
     finish_groups(router, 50, 4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from google.protobuf import duration_pb2, timestamp_pb2
@@ -25,6 +26,8 @@ from sessionrouter.server.core.validation import session_handle, session_name
 from sessionrouter.server.core.workers import WorkerRecord
 from sessionrouter.v1 import resources_pb2 as pb
 from sessionrouter.v1 import session_service_pb2 as spb
+
+_MAX = np.maximum
 
 _SESSION_STATE = {
     groups.SessionState.OPEN: pb.SESSION_STATE_OPEN,
@@ -294,6 +297,8 @@ def fill_result_batch(msg: pb.GroupResultBatch, c: ResultColumns) -> None:
                 _packed_doubles(15, c.advantages),
                 _packed_doubles(16, c.filter_metrics) if c.has_filter_metrics.any() else b"",
                 _packed_bools(19, c.excluded_replaced),
+                _packed_small(13, c.member_indices),
+                _packed_small(18, c.excluded_indices),
             )
         )
     )
@@ -306,9 +311,11 @@ def fill_result_batch(msg: pb.GroupResultBatch, c: ResultColumns) -> None:
     msg.estimators.extend([estimator_to_proto(p) for p in c.estimators])
     msg.estimator_of.extend(c.estimator_of.tolist())
     msg.member_offsets.extend(c.member_offsets.tolist())
-    msg.member_indices.extend(c.member_indices.tolist())
+    if not _small(c.member_indices):
+        msg.member_indices.extend(c.member_indices.tolist())
     msg.excluded_offsets.extend(c.excluded_offsets.tolist())
-    msg.excluded_indices.extend(c.excluded_indices.tolist())
+    if not _small(c.excluded_indices):
+        msg.excluded_indices.extend(c.excluded_indices.tolist())
     low, high, trainer, admitted = c.versions.T.tolist()
     msg.min_versions.extend(low)
     msg.max_versions.extend(high)
@@ -338,6 +345,22 @@ def _packed_doubles(number: int, values: NDArray[np.float64]) -> bytes:
 
 
 def _packed_bools(number: int, values: NDArray[np.bool_]) -> bytes:
+    return _field(number, np.ascontiguousarray(values, dtype=np.uint8).tobytes())
+
+
+def _small(values: NDArray[np.integer[Any]]) -> bool:
+    """Whether every value of an unsigned column is below 128, so that its varints are one
+    byte each: the value itself (a group's member indices, by the size bound)."""
+    return bool(values.size) and int(_MAX.reduce(values)) < 0x80
+
+
+def _packed_small(number: int, values: NDArray[np.integer[Any]]) -> bytes:
+    """A packed unsigned column as wire bytes when ``_small``, else nothing (the caller
+    ``extend``s it): one byte per value from the array, instead of a Python int per value
+    (a request of 256 rewards sends 256 member indices; 1,024 took 21 µs through
+    ``extend``)."""
+    if not _small(values):
+        return b""
     return _field(number, np.ascontiguousarray(values, dtype=np.uint8).tobytes())
 
 
