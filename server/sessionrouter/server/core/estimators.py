@@ -17,9 +17,10 @@ When every group of a batch has the same size n, the same estimators also take t
 (G, n) matrix, row g being group g (``ROW_ESTIMATORS``): no segment ids, no gathers by
 segment; per-group sums are n contiguous additions over a member-major copy, made block by
 block (``ROW_BLOCK`` values at a time, so that each block is computed while it sits in the
-CPU cache instead of streaming the whole batch through memory a dozen times). Both layouts
-add each group's values in the same order (member 0 first, from 0.0), so they give the same
-bits, and the reducer picks the row layout whenever it applies.
+CPU cache instead of streaming the whole batch through memory a dozen times), the last pass
+of each block writing the advantages back in group order. Both layouts add each group's
+values in the same order (member 0 first), so they give the same bits, and the reducer picks
+the row layout whenever it applies.
 
 Preconditions: rewards are float64, finite and of moderate magnitude: |r| well below 1e154 and
 distinct rewards of a group more than ~1e-150 apart, so that squared deviations neither
@@ -230,40 +231,84 @@ def _moments(
     return _Moments(mean, np.sqrt(var), centred, degenerate)
 
 
-def _row_sums(members: FloatArray) -> FloatArray:
-    """(G,) sums of a member-major (n, G) array, member 0 first, from 0.0: the order in which
-    ``np.bincount`` adds the ragged path's weights, so that the two paths agree to the bit
-    (``sum(axis=...)`` uses pairwise summation, which does not)."""
-    total = np.zeros(members.shape[1], dtype=np.float64)
-    for row in members:
-        total += row
-    return total
+def _add_rows(rows: FloatArray, out: FloatArray) -> FloatArray:
+    """``out`` (G,) = the sum of the n rows of a member-major (n, G) array, row 0 first: the
+    order in which ``np.bincount`` adds the ragged path's weights, so that the two paths
+    agree to the bit (``sum(axis=...)`` may use pairwise summation, which does not).
+
+    Starting from row 0 instead of from 0.0 changes nothing but the sign of a zero sum, and
+    only when every value is -0.0: a group whose mean is then its first reward anyway
+    (degenerate), or squares, which are never -0.0."""
+    if rows.shape[0] == 1:
+        np.copyto(out, rows[0])
+        return out
+    np.add(rows[0], rows[1], out=out)
+    for row in rows[2:]:
+        out += row
+    return out
 
 
-def _moments_rows(members: FloatArray, ddof: int) -> _Moments:
-    """``_moments`` for G groups of n members each, given member-major: ``members`` (n, G),
-    row j holding member j of every group (a copy the caller owns: it becomes ``centred``).
+@dataclass(slots=True)
+class _RowScratch:
+    """The row path's working arrays for blocks of up to ``width`` groups of n members,
+    allocated once per call (a block's temporaries then cost no allocation, and stay in the
+    cache from block to block)."""
 
-    Every reduction is n passes over G contiguous values, where a reduction along the short
-    axis of a (G, n) matrix would pay NumPy's inner-loop overhead per group.
+    members: FloatArray  # (n, width)
+    squares: FloatArray  # (n, width)
+    same: BoolArray  # (max(n - 1, 1), width)
+    sums: FloatArray  # (width,)
+
+    @classmethod
+    def of(cls, n: int, width: int) -> _RowScratch:
+        return cls(
+            np.empty((n, width), dtype=np.float64),
+            np.empty((n, width), dtype=np.float64),
+            np.empty((max(n - 1, 1), width), dtype=np.bool_),
+            np.empty(width, dtype=np.float64),
+        )
+
+
+def _moments_rows(
+    block: FloatArray,
+    ddof: int,
+    scratch: _RowScratch,
+    mean: FloatArray,
+    std: FloatArray,
+    degenerate: BoolArray,
+) -> _Moments:
+    """``_moments`` for k groups of n members each, given group-major: ``block`` (k, n), row
+    g holding group g. Writes ``mean``, ``std`` and ``degenerate`` (k,) in place (the
+    caller's slices of its outputs); ``centred`` is member-major (n, k), row j holding member
+    j of every group, in ``scratch`` (the caller's until the next block).
+
+    Every reduction is n passes over k contiguous values, where a reduction along the short
+    axis of a (k, n) matrix would pay NumPy's inner-loop overhead per group; and each pass
+    is one NumPy call over the whole member-major block where it can be (a comparison, a
+    product), so that a block costs a few dozen calls whatever n.
     """
-    n, n_groups = members.shape
+    k, n = block.shape
+    members = scratch.members[:, :k]
+    np.copyto(members, block.T)
     first = members[0]
-    degenerate = np.ones(n_groups, dtype=np.bool_)
-    same = np.empty(n_groups, dtype=np.bool_)
-    for row in members[1:]:
-        np.equal(row, first, out=same)
-        degenerate &= same
-    mean = np.where(degenerate, first, _row_sums(members) / n)
+    if n > 1:
+        same = scratch.same[:, :k]
+        np.equal(members[1:], first, out=same)
+        np.logical_and.reduce(same, axis=0, out=degenerate)
+    else:
+        degenerate.fill(True)
+    np.divide(_add_rows(members, scratch.sums[:k]), n, out=mean)
+    np.copyto(mean, first, where=degenerate)
     np.subtract(members, mean, out=members)  # member-major deviations
-    squares = np.zeros(n_groups, dtype=np.float64)
-    square = np.empty(n_groups, dtype=np.float64)
-    for row in members:
-        np.multiply(row, row, out=square)
-        squares += square
+    squares = scratch.squares[:, :k]
+    np.multiply(members, members, out=squares)
     dof = n - ddof
-    var = squares / dof if dof > 0 else np.zeros(n_groups, dtype=np.float64)
-    return _Moments(mean, np.sqrt(var), members, degenerate)
+    if dof > 0:
+        var = np.divide(_add_rows(squares, scratch.sums[:k]), dof, out=scratch.sums[:k])
+        np.sqrt(var, out=std)
+    else:
+        std.fill(0.0)
+    return _Moments(mean, std, members, degenerate)
 
 
 ROW_BLOCK = 1 << 16
@@ -290,9 +335,13 @@ def _batch_std(rewards: FloatArray, ddof: int) -> float:
 # layouts. ``scale`` is ``_batch_std + eps`` of the whole call's rewards for ``batch_std``
 # (computed once per call, however the call is cut into blocks), else 0.0.
 _Spread = Callable[[FloatArray], FloatArray]
-_Advantages = Callable[[_Moments, _Spread, IndexArray | int, EstimatorParams, float], FloatArray]
-"""``fn(moments, spread, lengths (G,) or n, params, scale) -> advantages``, shaped as
-``moments.centred``."""
+_Advantages = Callable[
+    [_Moments, _Spread, IndexArray | int, EstimatorParams, float, FloatArray], FloatArray
+]
+"""``fn(moments, spread, lengths (G,) or n, params, scale, out) -> out``: the advantages
+written into ``out``, shaped as ``moments.centred`` (``moments.centred`` itself on the
+ragged path; on the row path, a transposed view of the caller's group-major output, so that
+the last pass over a block also puts it back in group order)."""
 
 
 def _batch_scale(flat: FloatArray, p: EstimatorParams) -> float:
@@ -300,35 +349,55 @@ def _batch_scale(flat: FloatArray, p: EstimatorParams) -> float:
     return _batch_std(flat, p.ddof) + p.eps if p.batch_std else 0.0
 
 
+def _into(out: FloatArray, values: FloatArray) -> FloatArray:
+    if out is not values:
+        np.copyto(out, values)
+    return out
+
+
 def _grpo_advantages(
-    m: _Moments, spread: _Spread, lengths: IndexArray | int, p: EstimatorParams, scale: float
+    m: _Moments,
+    spread: _Spread,
+    lengths: IndexArray | int,
+    p: EstimatorParams,
+    scale: float,
+    out: FloatArray,
 ) -> FloatArray:
-    # ``m.centred`` is this call's own array: dividing in place saves an allocation.
     if p.batch_std:
-        return np.divide(m.centred, scale, out=m.centred) if scale > 0 else m.centred
+        return np.divide(m.centred, scale, out=out) if scale > 0 else _into(out, m.centred)
     denom = m.std + p.eps
     denom[denom == 0.0] = 1.0
-    return np.divide(m.centred, spread(denom), out=m.centred)
+    return np.divide(m.centred, spread(denom), out=out)
 
 
 def _dr_grpo_advantages(
-    m: _Moments, spread: _Spread, lengths: IndexArray | int, p: EstimatorParams, scale: float
+    m: _Moments,
+    spread: _Spread,
+    lengths: IndexArray | int,
+    p: EstimatorParams,
+    scale: float,
+    out: FloatArray,
 ) -> FloatArray:
-    return m.centred
+    return _into(out, m.centred)
 
 
 def _rloo_advantages(
-    m: _Moments, spread: _Spread, lengths: IndexArray | int, p: EstimatorParams, scale: float
+    m: _Moments,
+    spread: _Spread,
+    lengths: IndexArray | int,
+    p: EstimatorParams,
+    scale: float,
+    out: FloatArray,
 ) -> FloatArray:
     if isinstance(lengths, int):
         # Python's n / (n - 1) is the same IEEE division as NumPy's on the ragged path.
         factor: FloatArray | float = lengths / (lengths - 1) if lengths > 1 else 0.0
-        return np.multiply(m.centred, factor, out=m.centred)
+        return np.multiply(m.centred, factor, out=out)
     others = lengths - 1
     per_group = np.divide(
         lengths, others, out=np.zeros(lengths.shape[0], dtype=np.float64), where=others > 0
     )
-    return np.multiply(m.centred, spread(per_group), out=m.centred)
+    return np.multiply(m.centred, spread(per_group), out=out)
 
 
 def _ragged(advantages_of: _Advantages) -> EstimatorFn:
@@ -337,7 +406,9 @@ def _ragged(advantages_of: _Advantages) -> EstimatorFn:
     ) -> Segmented:
         m = _moments(rewards, segment_ids, lengths, params.ddof)
         scale = _batch_scale(rewards, params)
-        adv = advantages_of(m, lambda per_group: per_group[segment_ids], lengths, params, scale)
+        adv = advantages_of(
+            m, lambda per_group: per_group[segment_ids], lengths, params, scale, m.centred
+        )
         return Segmented(adv, m.mean, m.std, m.degenerate)
 
     return estimate
@@ -360,16 +431,18 @@ def _rows(advantages_of: _Advantages) -> RowEstimatorFn:
         std = np.empty(n_groups, dtype=np.float64)
         degenerate = np.empty(n_groups, dtype=np.bool_)
         step = max(ROW_BLOCK // n, ROW_BLOCK_GROUPS)
-        block = np.empty((n, min(step, n_groups)), dtype=np.float64)
+        scratch = _RowScratch.of(n, min(step, n_groups))
         for start in range(0, n_groups, step):
             stop = min(n_groups, start + step)
-            members = block[:, : stop - start]
-            np.copyto(members, matrix[start:stop].T)
-            m = _moments_rows(members, params.ddof)
-            advantages[start:stop] = advantages_of(m, _same, n, params, scale).T
-            mean[start:stop] = m.mean
-            std[start:stop] = m.std
-            degenerate[start:stop] = m.degenerate
+            m = _moments_rows(
+                matrix[start:stop],
+                params.ddof,
+                scratch,
+                mean[start:stop],
+                std[start:stop],
+                degenerate[start:stop],
+            )
+            advantages_of(m, _same, n, params, scale, advantages[start:stop].T)
         return Segmented(advantages.reshape(-1), mean, std, degenerate)
 
     return estimate
