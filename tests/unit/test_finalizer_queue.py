@@ -9,6 +9,7 @@ batch says its group records hold, for array-queued groups read from their arena
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from pathlib import Path
 
@@ -376,3 +377,41 @@ async def test_groups_restored_open_bring_their_bytes_after_a_restart(tmp_path: 
     assert batch.record_bytes == expected
     await restored.finalizer.flush()
     await again.close()
+
+
+async def test_the_run_loop_takes_what_is_queued_while_it_waits_and_wakes_for_what_follows() -> (
+    None
+):
+    """The run loop is woken when its queue goes from empty to queued: groups queued while it
+    waits out its window join that batch, and the first group queued after a batch wakes it
+    again, whichever call queued it (a whole request's arrays, the per-entry path's records,
+    or a group finished on its own, with an aborted member)."""
+    router = make_router(reducer_window_s=0.05, min_members=1)
+    loop = asyncio.create_task(router.finalizer.run())
+
+    async def published(cursor: int) -> None:
+        async with asyncio.timeout(5):
+            assert await router.feed.wait_beyond(cursor - 1)
+
+    try:
+        g = [group(router, f"g{k}") for k in range(5)]
+        router.submit_batch(whole(g[:1]))
+        await asyncio.sleep(0.01)  # the loop woke, and waits out its window
+        assert router.feed.last_cursor == 0
+        router.submit_batch(whole(g[1:2]))
+        await published(2)
+        assert router.finalizer.batches == 1
+        router.submit_rewards([(s.name, 1.0) for s in g[2].members])
+        await published(3)
+        router.abort_session(g[3].members[0].name, "gone")
+        router.submit_rewards([(s.name, 1.0) for s in g[3].members[1:]])
+        await published(4)
+        router.submit_batch(whole(g[4:]))
+        await published(5)
+        assert router.finalizer.batches == 4
+        assert [r.outcome for r in router.feed.read_after(0, 10)] == [GroupOutcome.COMPLETE] * 3 + [
+            GroupOutcome.PARTIAL,
+            GroupOutcome.COMPLETE,
+        ]
+    finally:
+        loop.cancel()

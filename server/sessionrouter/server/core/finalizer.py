@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -71,8 +71,6 @@ log = logging.getLogger("sessionrouter.finalizer")
 
 _EMPTY = np.zeros(0, dtype=np.float64)
 _EMPTY.flags.writeable = False
-_NO_VERSIONS = np.zeros(0, dtype=np.uint64)
-_NO_VERSIONS.flags.writeable = False
 _DROPPED = DROPPED_CODE
 _NO_POSITIONS = np.zeros(0, dtype=np.intp)
 _NO_NUMBERS = np.zeros(0, dtype=np.int64)
@@ -374,7 +372,7 @@ class FinalizedBatch:
         if has.any():
             metrics = np.where(np.repeat(has, lengths), self.filter_metrics, np.nan)
         else:
-            metrics = np.broadcast_to(np.float64(np.nan), self.values.shape)
+            metrics = _nan_column(self.values.shape[0])
         return ResultColumns(
             cursors=self.cursors,
             group_ids=group_ids,
@@ -423,7 +421,7 @@ class FinalizedBatch:
         begin = int(self.offsets[start])
         metrics = self.filter_metrics
         if metrics.strides and metrics.strides[0] == 0:
-            tail_metrics = np.broadcast_to(np.float64(np.nan), (self.values.shape[0] - begin,))
+            tail_metrics = _nan_column(self.values.shape[0] - begin)
         else:
             tail_metrics = metrics[begin:].copy()
         groups = self.groups[start:]
@@ -527,6 +525,22 @@ class _Publication:
     end_number: int
 
 
+class _Times(NamedTuple):
+    """Per group of a batch (G,): ``FinalizedBatch.finalize_times`` and ``trainer_versions``."""
+
+    finalize_times: NDArray[np.float64]
+    trainer_versions: NDArray[np.uint64]
+
+
+_NAN_BYTES = np.array([np.nan], dtype=np.float64).tobytes()
+
+
+def _nan_column(count: int) -> NDArray[np.float64]:
+    """float64 (count,), read-only: one NaN seen ``count`` times (no 8 bytes per member;
+    ``np.broadcast_to`` makes the same array at ten times the cost)."""
+    return np.ndarray((count,), np.float64, _NAN_BYTES, 0, (0,))
+
+
 def _expand(values: array[int] | array[float], counts: array[int], dtype: type[_S]) -> NDArray[_S]:
     """Per group: run k's value ``values[k]`` ``counts[k]`` times, in order, as ``dtype``;
     one NumPy call for a single run."""
@@ -573,8 +587,6 @@ class GroupFinalizer:
         """How many finalized (not dropped) groups were degenerate (for metrics)."""
         self.book = book or CursorBook()
         """Where the groups' cursors are read from: the ledger's (``GroupRecord.cursor``)."""
-        self._submitted = 0
-        """Finish numbers given so far (``CursorBook``)."""
         self._reduced = 0
         """Finish numbers reduced so far: the next batch starts at this one."""
         self._pending: list[GroupRecord] = []
@@ -584,15 +596,12 @@ class GroupFinalizer:
         (those queued by ``submit_complete`` have none)."""
         # The queue as runs: one per call (a ``submit`` is a run of one group), so that a
         # call costs O(1) Python whatever its groups; a batch expands them with NumPy.
-        self._counts = array("q")
-        """Per run: its groups."""
+        self._runs = array("q")
+        """Per run, three numbers: its groups; the trainer's version when they finished;
+        their ``reduce_key`` when they are complete without replacements and share one, else
+        -1 (one array, so that queueing a run is one call for the three)."""
         self._times = array("d")
         """Per run: when its groups finished (Unix seconds)."""
-        self._versions = array("q")
-        """Per run: the trainer's version when its groups finished."""
-        self._keys = array("q")
-        """Per run: its groups' ``reduce_key`` when they are complete without replacements
-        and share one, else -1."""
         self._rows = array("q")
         """Per queued group: its arena row (-1 without one); an array, so that the batch
         reads it as an index array without converting an int per group (a rows array given
@@ -606,7 +615,6 @@ class GroupFinalizer:
         """Per owed run: its stream's number, the request (in that stream) that finished it."""
         self._flow_numbers: dict[RewardFlow, int] = {}
         """The streams owed results of the queued groups, numbered in ``_flow_of``."""
-        self._members = 0
         self._metric_groups = 0
         """Queued groups with at least one filter metric."""
         self._wake = asyncio.Event()
@@ -635,6 +643,8 @@ class GroupFinalizer:
         that the batch needs no pass over its groups."""
         group = finished.group
         position = len(self._pending)
+        if not position:
+            self._wake.set()
         if finished.origin is not None:
             self._owe(finished.origin, position, 1)
         self._pending.append(group)
@@ -649,8 +659,6 @@ class GroupFinalizer:
         self._rows.append(group.arena_row if group.arena is not None else -1)
         if group.with_metrics:
             self._metric_groups += 1
-        self._members += group.size + group.replaced  # at most: some may never have joined
-        self._wake.set()
 
     def submit_complete(
         self,
@@ -675,30 +683,26 @@ class GroupFinalizer:
         count = len(groups)
         if not count:
             return
+        pending = self._pending
+        if not pending:
+            self._wake.set()
         if origin is not None:
-            self._owe(origin, len(self._pending), count)
-        self._pending += groups
-        first = groups[0]
-        arena = first.arena
+            self._owe(origin, len(pending), count)
+        pending += groups
+        arena = groups[0].arena
         if rows is not None and arena is not None and arena.key >= 0:
             # The run, written out here: this is the call made once per request.
-            self._counts.append(count)
+            self._runs.fromlist([count, trainer_version, arena.key])
             self._times.append(finalize_time)
-            self._versions.append(trainer_version)
-            self._keys.append(arena.key)
             self._rows.frombytes(rows.tobytes())
-            self._submitted += count
-            self._members += count * first.size
-            self._wake.set()
             return
         # One pass over the groups, each record read once (a pass per field costs a cache
         # miss per group each time once the groups outnumber the cache).
         keys, at = [], []
-        members = metric_groups = 0
+        metric_groups = 0
         for group in groups:
             keys.append(group.reduce_key)
             at.append(group.arena_row)
-            members += group.size
             if group.with_metrics:
                 metric_groups += 1
         head = keys[0]
@@ -708,9 +712,7 @@ class GroupFinalizer:
             for key in keys:
                 self._run(1, finalize_time, trainer_version, key)
         self._rows.extend(at)
-        self._members += members
         self._metric_groups += metric_groups
-        self._wake.set()
 
     def _run(
         self,
@@ -720,11 +722,8 @@ class GroupFinalizer:
         key: int,
     ) -> None:
         """Queues a run of ``count`` groups (already in ``_pending``) that share these."""
-        self._counts.append(count)
+        self._runs.fromlist([count, trainer_version, key])
         self._times.append(finalize_time)
-        self._versions.append(trainer_version)
-        self._keys.append(key)
-        self._submitted += count
 
     def _owe(self, origin: StreamOrigin, position: int, count: int) -> None:
         """The ``count`` groups queued from ``position`` on are owed to ``origin``'s stream."""
@@ -743,10 +742,8 @@ class GroupFinalizer:
         ``publish`` before the next one is reduced, or its cursors are given out again."""
         finished, self._pending = self._pending, []
         special, self._special = self._special, {}
-        counts, self._counts = self._counts, array("q")
+        runs, self._runs = self._runs, array("q")
         times, self._times = self._times, array("d")
-        versions, self._versions = self._versions, array("q")
-        keys, self._keys = self._keys, array("q")
         row_array, self._rows = self._rows, array("q")
         owed_starts, self._owed_starts = self._owed_starts, array("q")
         owed_counts, self._owed_counts = self._owed_counts, array("q")
@@ -754,7 +751,6 @@ class GroupFinalizer:
         requests, self._requests = self._requests, array("q")
         flows, self._flow_numbers = list(self._flow_numbers), {}
         with_metrics, self._metric_groups = self._metric_groups, 0
-        members, self._members = self._members, 0
         if not finished:
             return None
         self.batches += 1
@@ -772,28 +768,24 @@ class GroupFinalizer:
         self.book.defer(number, groups)  # the records learn their numbers if asked
         # Few NumPy calls per batch (each costs microseconds whatever its size, and a batch
         # holds a few requests' groups when rewards trickle in): one run needs no repeat.
-        finalize_times = _expand(times, counts, np.float64)
-        trainer_versions = _expand(versions, counts, np.uint64)
+        counts, versions, keys = runs[0::3], runs[1::3], runs[2::3]
+        times_of = _Times(_expand(times, counts, np.float64), _expand(versions, counts, np.uint64))
         head = keys[0]
         rows = np.frombuffer(row_array, dtype=np.int64).astype(np.intp, copy=False)
-        made: tuple[FinishedGroup, ...] | None = None
         if head >= 0 and keys.count(head) == len(keys):
-            batch = self._reduce_uniform(groups, rows, cursors, with_metrics > 0)
+            batch = self._reduce_uniform(groups, special, times_of, rows, cursors, with_metrics > 0)
+            # Complete groups only: none dropped.
+            self.degenerate += int(np.count_nonzero(batch.degenerate))
         else:
-            made = finished_groups(groups, special, finalize_times, trainer_versions)
+            made = finished_groups(groups, special, *times_of)
             group_keys = _expand(keys, counts, np.int64).tolist()
-            batch = self._reduce_general(made, group_keys, rows.tolist(), cursors)
-        batch = dataclasses.replace(
-            batch,
-            groups=groups,
-            special=special,
-            finalize_times=finalize_times,
-            trainer_versions=trainer_versions,
-            members=members,
-        )
-        batch._memo.finished = made
+            batch = self._reduce_general(
+                groups, made, special, times_of, group_keys, rows.tolist(), cursors
+            )
+            batch._memo.finished = made
+            dropped = batch.outcome == _DROPPED
+            self.degenerate += int(np.count_nonzero(batch.degenerate & ~dropped))
         batch.freeze()
-        self.degenerate += int(np.count_nonzero(batch.degenerate & (batch.outcome != _DROPPED)))
         owed, flow_numbers, request_numbers = _NO_POSITIONS, _NO_NUMBERS, _NO_NUMBERS
         if flows:
             if sum(owed_counts) == len(finished):  # every group is owed (runs increase)
@@ -809,14 +801,16 @@ class GroupFinalizer:
     def _reduce_uniform(
         self,
         groups: Sequence[GroupRecord],
+        special: Mapping[int, FinishedGroup],
+        times: _Times,
         at: NDArray[np.intp],
         cursors: NDArray[np.int64],
         with_metrics: bool,
     ) -> FinalizedBatch:
-        """Complete groups of one size and estimator: one gather, one row-path reduction
-        (the batch's per-group fields are set by the caller). One key means one size, so one
-        arena, whose ``memory_bytes`` column mirrors each open group's record: the batch's
-        ``record_bytes`` is one take over it, read before the rows are released."""
+        """Complete groups of one size and estimator: one gather, one row-path reduction.
+        One key means one size, so one arena, whose ``memory_bytes`` column mirrors each open
+        group's record: the batch's ``record_bytes`` is one take over it, read before the
+        rows are released; and every group has its n members, none replaced."""
         group = groups[0]
         arena = group.arena
         assert arena is not None  # a reduce_key is only given with an arena row
@@ -832,15 +826,14 @@ class GroupFinalizer:
             flat_metrics = metrics.reshape(-1)
         else:
             has = np.zeros(n_groups, dtype=np.bool_)
-            # No metric anywhere: one NaN seen N times (read-only, no 8 bytes per member).
-            flat_metrics = np.broadcast_to(np.float64(np.nan), (n_groups * n,))
+            flat_metrics = _nan_column(n_groups * n)
         record_bytes = int(arena.memory_bytes.take(at).sum())
         arena.release(at)
         return FinalizedBatch(
-            groups=(),
-            special={},
-            finalize_times=_EMPTY,
-            trainer_versions=_NO_VERSIONS,
+            groups=groups,
+            special=special,
+            finalize_times=times.finalize_times,
+            trainer_versions=times.trainer_versions,
             cursors=cursors,
             outcome=np.zeros(n_groups, dtype=np.int8),
             offsets=reduced.offsets,
@@ -848,16 +841,20 @@ class GroupFinalizer:
             advantages=reduced.advantages,
             mean=reduced.mean,
             std=reduced.std,
-            degenerate=np.array(degenerate, dtype=np.bool_),
+            degenerate=degenerate,
             filter_metrics=flat_metrics,
             has_filter_metrics=has,
             width=n,
             record_bytes=record_bytes,
+            members=n_groups * n,
         )
 
     def _reduce_general(
         self,
+        groups: Sequence[GroupRecord],
         finished: tuple[FinishedGroup, ...],
+        special: Mapping[int, FinishedGroup],
+        times: _Times,
         keys: list[int],
         rows: list[int],
         cursors: NDArray[np.int64],
@@ -923,11 +920,16 @@ class GroupFinalizer:
         dropped_members = np.repeat(outcome == _DROPPED, lengths)
         advantages[dropped_members] = 0.0
         has, equal = _metric_flags(metrics, offsets)
+        record_bytes = members = 0
+        for f in finished:  # each record is read anyway
+            group = f.group
+            record_bytes += group.memory_bytes
+            members += group.size + group.replaced  # at most: some may never have joined
         return FinalizedBatch(
-            groups=(),
-            special={},
-            finalize_times=_EMPTY,
-            trainer_versions=_NO_VERSIONS,
+            groups=groups,
+            special=special,
+            finalize_times=times.finalize_times,
+            trainer_versions=times.trainer_versions,
             cursors=cursors,
             outcome=outcome,
             offsets=offsets,
@@ -939,7 +941,8 @@ class GroupFinalizer:
             filter_metrics=metrics,
             has_filter_metrics=has,
             width=0,
-            record_bytes=sum(f.group.memory_bytes for f in finished),  # read per group anyway
+            record_bytes=record_bytes,
+            members=members,
         )
 
     def publish_batch(self, batch: FinalizedBatch | None) -> None:
