@@ -136,7 +136,9 @@ def _check_finite(values: NDArray[np.float64], offsets: NDArray[np.int64] | int)
     """One O(N) pass: a NaN would silently poison a whole group (the router rejects non-finite
     rewards when it records them; this is the reducer's own guard). A finite sum proves every
     value finite (a NaN or an infinity makes it NaN or infinite) at the cost of one add per
-    value; only a sum that is not finite (a bad value, or an overflow) looks at each value."""
+    value; only a sum that is not finite (a bad value, or an overflow) looks at each value.
+    The row path reads the same proof from its per-group means instead (``_rows_checked``),
+    and comes here only when one is not finite."""
     with np.errstate(over="ignore", invalid="ignore"):
         total = float(np.add.reduce(values))
     if math.isfinite(total) or np.isfinite(values).all():
@@ -147,6 +149,24 @@ def _check_finite(values: NDArray[np.float64], offsets: NDArray[np.int64] | int)
     else:
         groups = np.unique(np.searchsorted(offsets, bad, side="right") - 1)
     raise ValueError(f"non-finite rewards in groups at positions {groups[:10].tolist()}")
+
+
+def _rows_checked(matrix: NDArray[np.float64], params: EstimatorParams) -> Segmented:
+    """The row estimator of ``params`` on ``matrix`` (G, n), with the reducer's finiteness
+    guard read from its output instead of a pass of its own over the N rewards: a NaN or an
+    infinity in a group makes that group's mean non-finite (its sum is, and an all-equal
+    group's mean is its first reward), so finite means prove every reward finite at the cost
+    of one look per group. The estimator runs with invalid operations silenced, so that bad
+    rewards raise the guard's ``ValueError`` and nothing else, as when the guard ran first;
+    finite rewards whose sums overflow (beyond the estimators' preconditions) are reduced
+    again as they were then, warnings and all."""
+    estimate = ROW_ESTIMATORS[params.name]
+    with np.errstate(invalid="ignore"):
+        out = estimate(matrix, params)
+    if not np.isfinite(out.mean).all():
+        _check_finite(matrix.reshape(-1), matrix.shape[1])
+        out = estimate(matrix, params)
+    return out
 
 
 def _batch(
@@ -174,10 +194,8 @@ def reduce_matrix(matrix: NDArray[np.float64], params: EstimatorParams) -> Reduc
     if matrix.ndim != 2 or matrix.shape[1] < 1:
         raise ValueError(f"matrix must be (G, n) with n >= 1, got {matrix.shape}")
     n_groups, n = matrix.shape
-    values = matrix.reshape(-1)
-    _check_finite(values, n)
     offsets = np.arange(0, n_groups * n + 1, n, dtype=OFFSETS)
-    return _batch(values, offsets, ROW_ESTIMATORS[params.name](matrix, params), params, n)
+    return _batch(matrix.reshape(-1), offsets, _rows_checked(matrix, params), params, n)
 
 
 def reduce_segments(
@@ -207,9 +225,8 @@ def reduce_segments(
         raise ValueError(f"groups without rewards at positions {empty[:10].tolist()}")
     if n_groups and int(lengths.max()) == shortest:
         n = shortest
-        _check_finite(values, n)
         matrix = values.reshape(n_groups, n)
-        return _batch(values, bounds, ROW_ESTIMATORS[params.name](matrix, params), params, n)
+        return _batch(values, bounds, _rows_checked(matrix, params), params, n)
     _check_finite(values, bounds)
     lengths = lengths.astype(np.intp, copy=False)
     segment_ids = np.repeat(np.arange(n_groups, dtype=np.intp), lengths)
