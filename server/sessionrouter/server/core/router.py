@@ -629,8 +629,9 @@ class SessionRouter:
         task_id, request_id, metadata = check_start(cmd, min_group_size=0)
         fingerprint = ("session", task_id, cmd.group_id, cmd.group_size)
         if request_id:
-            replay = self._replay(request_id, fingerprint)
+            replay = self.groups.find_request(request_id)
             if replay is not None:
+                self._check_replay(replay, request_id, fingerprint)
                 replayed = self.groups.get(replay.group_id)
                 assert replay.index is not None
                 # Member 0 of a group is placed by the StartSession that created it (a
@@ -682,8 +683,9 @@ class SessionRouter:
         task_id, request_id, metadata = check_start(cmd, min_group_size=1)
         fingerprint = ("group", task_id, cmd.group_id, cmd.group_size)
         if request_id:
-            replay = self._replay(request_id, fingerprint)
+            replay = self.groups.find_request(request_id)
             if replay is not None:
+                self._check_replay(replay, request_id, fingerprint)
                 group = self.groups.get(replay.group_id)
                 shared = any(s.shared_worker for s in group.members)
                 return StartedGroup(group, shared, True)
@@ -733,10 +735,13 @@ class SessionRouter:
             )
         return settings
 
-    def _replay(self, request_id: str, fingerprint: tuple[object, ...]) -> RequestRecord | None:
-        record = self.groups.find_request(request_id)
-        if record is None:
-            return None
+    @staticmethod
+    def _check_replay(
+        record: RequestRecord, request_id: str, fingerprint: tuple[object, ...]
+    ) -> None:
+        """Refuses a start whose request id an earlier start of another request used
+        (``record``, found for ``request_id``); a start finds the record itself, so the
+        usual new request id costs one lookup and no call."""
         if record.fingerprint != fingerprint:
             raise InvalidArgument(
                 "REQUEST_ID_REUSED",
@@ -744,7 +749,6 @@ class SessionRouter:
                 metadata={"request_id": request_id},
                 field_violations=[("request_id", "already used for a different request")],
             )
-        return record
 
     def _check_accepting(self) -> None:
         if not self.accepting:
@@ -838,7 +842,8 @@ class SessionRouter:
         cost: int = -1,
     ) -> SessionRecord:
         """Places one more member of ``group``; ``cost`` is its ``member_cost`` when the
-        caller has it already (-1: computed here, for a group the ledger holds)."""
+        caller has it already, which it has only for a group the ledger holds (-1: computed
+        here, when the ledger holds the group)."""
         policy = policy or group.settings.placement
         per_worker = group.members_per_worker
         workers = self.workers
@@ -872,7 +877,8 @@ class SessionRouter:
             max_version=version,
         )
         ledger = self.groups
-        if ledger.find(group.group_id) is group:
+        # A caller that has the cost joins a group the ledger holds (no lookup to know it).
+        if cost >= 0 or ledger.find(group.group_id) is group:
             ledger.member_joined(group, metadata, cost)
         group.members.append(session)
         per_worker[worker.worker_id] = per_worker.get(worker.worker_id, 0) + 1
