@@ -62,9 +62,11 @@ _PLACEMENT: dict[int, placement.PlacementMode | None] = {
     spb.PLACEMENT_MODE_STRICT: placement.PlacementMode.STRICT,
     spb.PLACEMENT_MODE_PACK: placement.PlacementMode.PACK,
 }
-_PLACEMENT_TO_PROTO: dict[placement.PlacementMode, spb.PlacementMode.ValueType] = {
-    mode: spb.PlacementMode.ValueType(value) for value, mode in _PLACEMENT.items() if mode
+_PLACEMENT_TO_PROTO: dict[str, spb.PlacementMode.ValueType] = {
+    mode._value_: spb.PlacementMode.ValueType(value) for value, mode in _PLACEMENT.items() if mode
 }
+"""By the mode's ``_value_``: a lookup by an Enum member calls its Python ``__hash__``, and
+``.value`` is a Python property; every StartSession reply reads this."""
 
 
 def set_time(ts: timestamp_pb2.Timestamp, unix_s: float) -> None:
@@ -164,7 +166,7 @@ def start_session_reply(started: router.StartedSession) -> spb.StartSessionRespo
     # Fields set one by one, and only when not the default: cheaper than the keywords.
     reply = spb.StartSessionResponse()
     reply.group_size = group.size
-    reply.placement_mode = _PLACEMENT_TO_PROTO[group.settings.placement.mode]
+    reply.placement_mode = _PLACEMENT_TO_PROTO[group.settings.placement.mode._value_]
     if started.group_created:
         reply.group_created = True
     if session.shared_worker:
@@ -240,7 +242,7 @@ def options_to_proto(settings: groups.GroupSettings) -> pb.GroupOptions:
 
 
 def placement_to_proto(g: groups.GroupRecord) -> spb.PlacementMode.ValueType:
-    return _PLACEMENT_TO_PROTO[g.settings.placement.mode]
+    return _PLACEMENT_TO_PROTO[g.settings.placement.mode._value_]
 
 
 def result_to_proto(r: feed.GroupResult) -> pb.GroupResult:

@@ -882,7 +882,7 @@ class SessionRouter:
             ledger.member_joined(group, metadata, cost)
         group.members.append(session)
         per_worker[worker.worker_id] = per_worker.get(worker.worker_id, 0) + 1
-        workers.add_session(worker, session)
+        workers.add_session(worker, session, True)  # placement picks eligible workers only
         if shared:
             self.stats.sessions_shared += 1
         else:

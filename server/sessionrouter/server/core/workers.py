@@ -405,9 +405,13 @@ class WorkerRegistry:
                     self.on_worker_lost(worker, {s.key for s in worker.open_sessions})
         return expired
 
-    def add_session(self, worker: WorkerRecord, session: PlacedSession) -> None:
-        """Counts a session placed on ``worker``."""
-        was_eligible = worker.eligible
+    def add_session(
+        self, worker: WorkerRecord, session: PlacedSession, eligible: bool | None = None
+    ) -> None:
+        """Counts a session placed on ``worker``; ``eligible``: whether the worker was
+        eligible before it (None: tested here; placement passes True, as it only picks
+        eligible workers)."""
+        was_eligible = worker.eligible if eligible is None else eligible
         worker.open_sessions.add(session)
         self._changed(worker, was_eligible)
 
