@@ -475,3 +475,36 @@ async def test_listing_pages_through_workers_and_groups(harness: Harness) -> Non
         grpc.StatusCode.INVALID_ARGUMENT,
         "INVALID_PAGE_TOKEN",
     )
+
+
+async def test_ids_are_checked_on_every_start_whatever_the_earlier_starts_gave(
+    harness: Harness,
+) -> None:
+    """Task and group ids that passed once are remembered as valid (the members of a group
+    repeat both): a valid start of the group does not let an invalid id through, an invalid
+    id is refused each time it comes, and the group still takes its members after that."""
+    await register(harness, 4)
+    first = await start(harness, task_id="task-1", group_id="g-1", group_size=3)
+    assert first.group_created
+    for _ in range(2):
+        metadata = await expect_error(
+            start(harness, task_id="task 1", group_id="g-1", group_size=3),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_ID",
+        )
+        assert metadata == {"field": "task_id"}
+        metadata = await expect_error(
+            start(harness, task_id="task-1", group_id="g/1", group_size=3),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_ID",
+        )
+        assert metadata == {"field": "group_id"}
+        metadata = await expect_error(
+            start(harness, task_id="task-1", group_id="g-1", group_size=3, request_id="r 1"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_ID",
+        )
+        assert metadata == {"field": "request_id"}
+    joined = await start(harness, task_id="task-1", group_id="g-1", group_size=3)
+    assert joined.session.name == "groups/g-1/sessions/1"
+    assert not joined.group_created
