@@ -20,12 +20,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-HOG = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"
-"""A process that spins for up to 30 s (killed as soon as the test has measured)."""
-
-
-HOG = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"
-"""A process that spins for up to 30 s (killed as soon as the test has measured)."""
+HOG = (
+    "import time\n"
+    "end = time.time() + 30\n"
+    "print('spinning', flush=True)\n"
+    "while time.time() < end: pass"
+)
+"""A process that says when it is up, then spins for up to 30 s (killed as soon as the test
+has measured)."""
 
 
 def spin(seconds: float) -> None:
@@ -35,29 +37,44 @@ def spin(seconds: float) -> None:
 
 
 def test_demand_counts_the_wait_for_a_shared_core() -> None:
-    """Spinning on a core a second process spins on too: the thread's CPU clock sees about
-    half the wall time, the demand clock about all of it."""
+    """Spinning on a core other processes spin on too: the thread's CPU clock sees a third of
+    the wall time or less, the demand clock about all of it."""
     before_affinity = os.sched_getaffinity(0)
     core = min(before_affinity)
     os.sched_setaffinity(0, {core})
-    hog = subprocess.Popen(
-        [sys.executable, "-c", HOG],
-        preexec_fn=lambda: os.sched_setaffinity(0, {core}),
-    )
+    # Two hogs a core the test may run on: where the affinity holds, three threads share one
+    # core; where a sandbox ignores it, the hogs still outnumber the cores.
+    hogs = [
+        subprocess.Popen(
+            [sys.executable, "-c", HOG],
+            stdout=subprocess.PIPE,
+            preexec_fn=lambda: os.sched_setaffinity(0, {core}),
+        )
+        for _ in range(min(8, 2 * len(before_affinity)))
+    ]
     clock = DemandClock()
     try:
-        spin(0.3)  # the hog is up and sharing the core
+        # Blocked on the pipes, not spinning: the hogs' start-up gets the core however slow
+        # it is, and the window below only opens once they all spin.
+        for hog in hogs:
+            assert hog.stdout is not None and hog.stdout.readline() == b"spinning\n"
         wall, cpu, demand = time.perf_counter(), time.thread_time(), clock()
         spin(1.0)
         wall = time.perf_counter() - wall
         cpu = time.thread_time() - cpu
         demand = clock() - demand
     finally:
-        hog.kill()
-        hog.wait()
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+            assert hog.stdout is not None
+            hog.stdout.close()
         clock.close()
         os.sched_setaffinity(0, before_affinity)
-    assert cpu < 0.75 * wall, f"the core was not shared: {cpu:.2f} s CPU in {wall:.2f} s"
+    if cpu > 0.75 * wall:
+        # More cores than hogs and an affinity the sandbox ignores: the premise (a shared
+        # core) cannot be built there.
+        pytest.skip(f"the scheduler did not share the core: {cpu:.2f} s CPU in {wall:.2f} s")
     assert demand > 0.9 * wall, f"{demand:.2f} s of demand in {wall:.2f} s"
 
 
