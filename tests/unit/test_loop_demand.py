@@ -42,8 +42,9 @@ def test_demand_counts_the_wait_for_a_shared_core() -> None:
     before_affinity = os.sched_getaffinity(0)
     core = min(before_affinity)
     os.sched_setaffinity(0, {core})
-    # Two hogs a core the test may run on: where the affinity holds, three threads share one
-    # core; where a sandbox ignores it, the hogs still outnumber the cores.
+    # Two hogs a core the test may run on (eight at most): where the affinity holds, the test
+    # and every hog share one core; where a sandbox ignores it, the hogs still outnumber up to
+    # four cores.
     hogs = [
         subprocess.Popen(
             [sys.executable, "-c", HOG],
