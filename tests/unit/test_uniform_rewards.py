@@ -7,13 +7,15 @@ status and detail per entry and leave the same state: sessions, groups, freed sl
 The requests cover what the whole-request path must recognise and leave to the per-entry path:
 duplicates within one request, a member rewarded before, a closed group, an aborted member, a
 replaced member, a member of a lost worker, mixed group sizes, a group not yet full, entries of
-one group that are not consecutive, unknown handles, NaN and infinite rewards."""
+one group that are not consecutive (taken whole, sorted by group, groups finishing in the order
+of their last entry), unknown handles, NaN and infinite rewards."""
 
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +26,7 @@ from sessionrouter.server.core.intake import uniform
 from sessionrouter.server.core.rewards import RewardBatch
 from sessionrouter.server.core.router import RouterSettings, SessionRouter
 from sessionrouter.server.core.validation import session_handle
+from sessionrouter.server.journal import SqliteJournal
 
 SETTINGS = RouterSettings(deadline_s=10.0, reducer_window_s=0.0, heartbeat_timeout_s=3600.0)
 
@@ -53,7 +56,7 @@ def build(lost: bool = False) -> World:
     for i in range(4):
         router.register_worker(f"w{i}", f"10.0.0.{i}:1", 256, {})
     groups: dict[str, GroupRecord] = {}
-    for key in ("p", "q", "r", "s", "t", "u", "v"):
+    for key in ("p", "q", "r", "s", "t", "u", "v", "w", "x", "y"):
         groups[key] = router.start_group(StartGroupCommand("t", 8, group_id=key)).group
     groups["four"] = router.start_group(StartGroupCommand("t", 4, group_id="four")).group
     groups["ab"] = router.start_group(StartGroupCommand("t", 8, group_id="ab")).group
@@ -151,7 +154,15 @@ REQUESTS: list[tuple[str, list[Entry], bool]] = [
         False,
     ),
     ("a group not yet full", [("half", 0, 1.0)], False),
-    ("not consecutive", [("u", 0, 1.0), ("v", 0, 2.0), ("u", 1, 0.0)], False),
+    ("not consecutive", [("u", 0, 1.0), ("v", 0, 2.0), ("u", 1, 0.0)], True),
+    (
+        # x's last entry comes before w's: x finishes first although w sorts first.
+        "interleaved, the later group finishing first",
+        [e for i in range(7) for e in (("w", i, float(i % 2)), ("x", i, float(i % 3)))]
+        + [("x", 7, 1.0), ("w", 7, 0.0)],
+        True,
+    ),
+    ("members out of order", [("y", i, float(i)) for i in (5, 2, 7, 0, 3, 1, 6, 4)], True),
     ("unknown handles", [("u", 2, 1.0), ("u", 9, 1.0), ("?", 0, 1.0), ("u", 3, 0.0)], False),
     ("NaN", [("u", 4, math.nan), ("u", 5, 1.0)], False),
     ("infinite", [("u", 6, -math.inf), ("u", 7, 1.0), ("u", 4, 0.0)], False),
@@ -173,9 +184,9 @@ def test_each_request_gives_the_same_statuses_and_state_both_ways() -> None:
         assert got == want, what
         assert state(fast) == state(slow), what
     # Every group of 8 with a member left to reward ended; p, q and r complete.
-    assert [fast.groups[k].state.value for k in ("p", "q", "r", "s", "u", "v")] == [
+    assert [fast.groups[k].state.value for k in ("p", "q", "r", "s", "u", "v", "w", "x", "y")] == [
         "finalized"
-    ] * 3 + ["open", "finalized", "finalized"]
+    ] * 3 + ["open"] + ["finalized"] * 5
 
 
 @pytest.mark.parametrize("order", ["lost last", "lost first"])
@@ -218,3 +229,58 @@ def test_uniform_takes_only_requests_it_can_accept_whole() -> None:
 
 def whole_handle(world: World) -> int:
     return world.handle("p", 0)
+
+
+@pytest.mark.parametrize("versions", [(7, 7, 7, 7), (3, 5, 4, 6)])
+def test_counted_versions_are_those_of_the_members_rewarded(versions: tuple[int, ...]) -> None:
+    """The whole-request path widens a group's counted versions from its members' start
+    versions (one look per group when every member started at one version, each member's
+    otherwise): the two oldest members, then the two newest, leave the same versions both
+    ways, and the first half counts only its own (3..4 of a group that spans 3..6)."""
+    worlds = []
+    for _ in range(2):
+        router = SessionRouter(SETTINGS, ManualClock())
+        for i, version in enumerate(versions):
+            router.register_worker(f"w{i}", f"10.0.0.{i}:1", 16, {})
+            router.heartbeat(f"w{i}", version)
+        group = router.start_group(StartGroupCommand("t", 4, group_id="g")).group
+        worlds.append(World(router, {"g": group}))
+    fast, slow = worlds
+    by_version = sorted(fast.groups["g"].members, key=lambda m: m.start_version)
+    assert [m.start_version for m in by_version] == sorted(versions)
+    for half in (by_version[:2], by_version[2:]):
+        entries = [("g", m.index, float(m.index)) for m in reversed(half)]
+        assert statuses(fast, by_handles(fast, entries), True) == statuses(
+            slow, by_entries(slow, entries), False
+        )
+        assert state(fast) == state(slow)
+        if half is by_version[:2]:
+            group = fast.groups["g"]
+            low, high = sorted(versions)[:2]
+            assert (group.counted_min_version, group.counted_max_version) == (low, high)
+    assert fast.groups["g"].state.value == "finalized"
+
+
+def test_a_restored_group_knows_its_members_start_versions(tmp_path: Path) -> None:
+    """The start-version range of an open group comes back from the journal, so the
+    whole-request path counts versions on a restarted router as on the first one."""
+    journal = SqliteJournal(tmp_path)
+    router = SessionRouter(SETTINGS, ManualClock(), journal)
+    for i, version in enumerate((3, 5, 4, 6)):
+        router.register_worker(f"w{i}", f"10.0.0.{i}:1", 16, {})
+        router.heartbeat(f"w{i}", version)
+    live = router.start_group(StartGroupCommand("t", 4, group_id="g")).group
+    journal.write_pending()
+    journal.close_now()
+    again = SqliteJournal(tmp_path)
+    restored = SessionRouter(SETTINGS, ManualClock(), again)
+    restored.restore(again.load())
+    group = restored.groups.get("g")
+    assert (group.start_min_version, group.start_max_version) == (3, 6)
+    assert (live.start_min_version, live.start_max_version) == (3, 6)
+    world = World(restored, {"g": group})
+    oldest = sorted(group.members, key=lambda m: m.start_version)[:2]
+    entries = [("g", m.index, 1.0) for m in oldest]
+    assert statuses(world, by_handles(world, entries), True)[0] == b"\x01\x01"
+    assert (group.counted_min_version, group.counted_max_version) == (3, 4)
+    again.close_now()

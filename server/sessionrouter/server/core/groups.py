@@ -308,6 +308,13 @@ class GroupRecord:
     kept by the ledger as rewards are recorded."""
     counted_max_version: int = 0
     """Newest policy version of the rewarded members (0 before any reward)."""
+    start_min_version: int = NO_VERSION
+    """Oldest ``start_version`` of the members (``NO_VERSION`` before the first joins)."""
+    start_max_version: int = 0
+    """Newest ``start_version`` of the members. When both are equal, every member started at
+    that version, and so did any set of its unrewarded members (whose min and max versions are
+    their start version): a request rewarding them widens the counted versions from these
+    two fields instead of reading each member."""
     finish_number: int = -1
     """Order in which the group was handed to the finalizer (``CursorBook``), written only
     once a consumer asks for its ``cursor``; -1 before."""
@@ -328,6 +335,14 @@ class GroupRecord:
     @property
     def name(self) -> str:
         return f"groups/{self.group_id}"
+
+    def count_start_version(self, version: int) -> None:
+        """Widens ``start_min_version``..``start_max_version`` to a joining member's start
+        version (every place that adds a member calls this)."""
+        if version < self.start_min_version:
+            self.start_min_version = version
+        if version > self.start_max_version:
+            self.start_max_version = version
 
     @property
     def full(self) -> bool:

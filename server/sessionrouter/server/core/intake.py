@@ -16,6 +16,7 @@ then applies it whole (``SessionRouter._submit_uniform``), with no loop that che
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -285,18 +286,23 @@ def _by_name(
 @dataclass(slots=True)
 class Uniform:
     """A request that ``uniform`` found can be applied whole, with arrays: every entry
-    accepted, nothing per entry to word.
+    accepted, nothing per entry to word. Its entries are taken group by group: in the
+    request's order when each group's entries are consecutive, else sorted by group (stably),
+    since applying accepted rewards in another order leaves the same state.
 
-    - ``groups``: the groups named, one per run of consecutive entries (a group named by
-      entries that are not consecutive makes the request not uniform), in order;
+    - ``groups``: the groups named, one per run of entries, in the order taken;
     - ``bounds``: (len(groups) + 1,) where each group's run starts, then n;
-    - ``sessions``: (n,) entry i's session;
+    - ``sessions``: (n,) the session of each entry, in the order taken;
     - ``arena``: the arena all of them keep their rewards in (one group size);
     - ``group_rows``: int64 (len(groups),) each group's arena row (what the finalizer
       gathers, handed on as it is for the groups the request completes);
-    - ``rows``: intp (n,) entry i's arena row; ``slots``: int64 (n,) its member slot (its
+    - ``rows``: intp (n,) each entry's arena row; ``slots``: int64 (n,) its member slot (its
       index: no group has a replaced member);
-    - ``values``: float64 (n,) the rewards, ``rewards`` the same as Python floats.
+    - ``values``: float64 (n,) the rewards, ``rewards`` the same as Python floats;
+    - ``last``: None when the entries were taken in the request's order; else (len(groups),)
+      the request position of each group's last entry, which orders the groups the request
+      completes as the per-entry path would finish them (a group finishes at its last
+      reward).
     """
 
     groups: list[GroupRecord]
@@ -308,15 +314,19 @@ class Uniform:
     slots: NDArray[np.intp]
     values: NDArray[np.float64]
     rewards: list[float]
+    last: list[int] | None = None
 
 
 def uniform(batch: RewardBatch, find_seq: Callable[[int], GroupRecord | None]) -> Uniform | None:
     """The common columnar request, checked with NumPy over whole columns and once per group
     instead of once per entry: handles only (no names, filter metrics or versions), every
     reward finite and within ``MAX_REWARD_MAGNITUDE``, every handle a member of a full OPEN
-    group of this router with no aborted, replaced or lost member, all of one size, each
-    group's entries consecutive, no member named twice and none rewarded before. Then every entry is
-    ACCEPTED, exactly as the per-entry loop would have found one by one.
+    group of this router with no aborted, replaced or lost member, all of one size, no
+    member named twice and none rewarded before. Then every entry is ACCEPTED, exactly as
+    the per-entry loop would have found one by one, in whatever order the request names
+    them: a trainer that sends rewards as its rollouts finish interleaves the groups, and
+    such a request is sorted by group (one stable argsort) rather than sent down the
+    per-entry path.
 
     None for any other request: the per-entry path (``resolve`` and the applying loop)
     decides it, and words each refusal. Why an arena slot tells a rewarded member from an
@@ -340,10 +350,22 @@ def uniform(batch: RewardBatch, find_seq: Callable[[int], GroupRecord | None]) -
     values = np.asarray(batch.rewards, dtype=np.float64)
     if not _MAX.reduce(np.abs(values)) <= MAX_REWARD_MAGNITUDE:  # NaN fails this too
         return None
-    starts, seqs, indices = _split_handles(handles)
-    bounds = [*starts, len(handles)]
+    try:
+        column = np.asarray(handles, dtype=np.uint64)
+    except (OverflowError, TypeError, ValueError):
+        return None  # a negative handle names no session: the per-entry path says so
+    shifted = column >> np.uint64(HANDLE_INDEX_BITS)
+    starts: list[int] = [0, *((shifted[1:] != shifted[:-1]).nonzero()[0] + 1).tolist()]
+    seqs: list[int] = shifted[starts].tolist()
+    last: list[int] | None = None
     if len(set(seqs)) != len(seqs):
-        return None  # a group's entries are not consecutive
+        # Some group's entries are not consecutive: take the entries group by group.
+        order = shifted.argsort(kind="stable")
+        column, shifted, values = column[order], shifted[order], values[order]
+        starts = [0, *((shifted[1:] != shifted[:-1]).nonzero()[0] + 1).tolist()]
+        seqs = shifted[starts].tolist()
+        last = np.maximum.reduceat(order, starts).tolist()
+    bounds = [*starts, len(handles)]
     groups: list[GroupRecord] = []
     first = find_seq(seqs[0]) if seqs[0] > 0 else None
     if first is None:
@@ -364,7 +386,7 @@ def uniform(batch: RewardBatch, find_seq: Callable[[int], GroupRecord | None]) -
         groups.append(group)
     if arena is None:
         return None
-    slots = indices.astype(np.intp)
+    slots = (column & np.uint64(_INDEX_MASK)).astype(np.intp)
     if not _MAX.reduce(slots) < size:
         return None
     group_rows = np.array([g.arena_row for g in groups], dtype=np.int64)
@@ -375,11 +397,25 @@ def uniform(batch: RewardBatch, find_seq: Callable[[int], GroupRecord | None]) -
     places.sort()
     if not _ALL.reduce(places[1:] != places[:-1]):
         return None  # some member is named twice
-    index: list[int] = slots.tolist()
     sessions: list[SessionRecord] = []
-    for k, group in enumerate(groups):
-        members = group.members
-        sessions += [members[i] for i in index[bounds[k] : bounds[k + 1]]]
+    if len(slots) == len(groups) * size and (slots.reshape(-1, size) == _order(size)).all():
+        # Whole groups, each in member order (no member twice, so each run is one group's
+        # size): the entries' sessions are the groups' member lists.
+        for group in groups:
+            sessions += group.members
+    else:
+        index: list[int] = slots.tolist()
+        for k, group in enumerate(groups):
+            members = group.members
+            sessions += [members[i] for i in index[bounds[k] : bounds[k + 1]]]
     return Uniform(
-        groups, bounds, sessions, arena, group_rows, rows, slots, values, values.tolist()
+        groups, bounds, sessions, arena, group_rows, rows, slots, values, values.tolist(), last
     )
+
+
+@functools.cache
+def _order(size: int) -> NDArray[np.intp]:
+    """0..size-1, the member slots of a whole group in order (read-only, shared)."""
+    order = np.arange(size, dtype=np.intp)
+    order.flags.writeable = False
+    return order

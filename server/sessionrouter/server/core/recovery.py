@@ -153,6 +153,7 @@ def _restored_group(row: GroupRow, workers: WorkerRegistry, now: float, wall: fl
     per_worker = group.members_per_worker
     for session in group.members:
         per_worker[session.worker_id] = per_worker.get(session.worker_id, 0) + 1
+        group.count_start_version(session.start_version)
         if session.worker_lost:
             group.lost += 1
         if session.replaces >= 0:

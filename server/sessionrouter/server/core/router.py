@@ -881,6 +881,7 @@ class SessionRouter:
         if cost >= 0 or ledger.find(group.group_id) is group:
             ledger.member_joined(group, metadata, cost)
         group.members.append(session)
+        group.count_start_version(version)
         per_worker[worker.worker_id] = per_worker.get(worker.worker_id, 0) + 1
         workers.add_session(worker, session, True)  # placement picks eligible workers only
         if shared:
@@ -1184,14 +1185,23 @@ class SessionRouter:
                 seq = group.seq
                 for session, reward in zip(run, rewards[start:end], strict=True):
                     journal.reward(seq, session.index, reward)
-            widen(group, min(map(_MIN_VERSION, run)), max(map(_MAX_VERSION, run)))
+            low, high = group.start_min_version, group.start_max_version
+            if low != high:  # members started at different versions: read this run's
+                low, high = min(map(_MIN_VERSION, run)), max(map(_MAX_VERSION, run))
+            widen(group, low, high)
             group.rewarded += end - start
             if group.rewarded == group.size == len(group.members):
                 completed.append(group)
                 done.append(k)
         if completed:
             rows = request.group_rows  # the arena rows ``uniform`` found, as the queue takes them
-            if len(done) < len(rows):  # only some: the rows of those
+            last = request.last
+            if last is not None and len(done) > 1:
+                # Taken group by group: finish in the order of each group's last reward in
+                # the request, as the per-entry path does.
+                done.sort(key=last.__getitem__)
+                completed = [request.groups[k] for k in done]
+            if len(done) < len(rows) or last is not None:  # some, or reordered: their rows
                 rows = rows[done]
             self._finish_complete(completed, origin, rows)
         for worker_id, held in freed.items():
