@@ -157,6 +157,22 @@ async def make_sessions_with_handles(address: str, count: int) -> tuple[list[str
         return names, handles
 
 
+def interleaved(
+    names: Sequence[str], handles: Sequence[int], per_message: int, seed: int = 0
+) -> tuple[list[str], list[int]]:
+    """The sessions in the order a trainer sends rewards as its rollouts finish: each
+    message's entries shuffled (the same permutation for names and handles), so the members
+    of its groups are interleaved instead of one group after the other."""
+    rng = np.random.default_rng(seed)
+    order = np.concatenate(
+        [
+            start + rng.permutation(min(per_message, len(names) - start))
+            for start in range(0, len(names), per_message)
+        ]
+    ).tolist()
+    return [names[i] for i in order], [handles[i] for i in order]
+
+
 def requests_of(
     mode: str, names: Sequence[str], handles: Sequence[int], per_message: int
 ) -> list[spb.SubmitRewardsRequest]:
@@ -295,7 +311,8 @@ async def measure(args: argparse.Namespace) -> None:
     print(
         f"# {args.rewards} rewards timed per run (a quarter at 1 entry/msg) after"
         f" {args.warmup} warm-up messages, groups of {GROUP_SIZE}, {WINDOW} requests in"
-        f" flight, router flags {args.router_arg or 'default'}, median of {args.repeats}"
+        f" flight, entries {'interleaved' if args.interleave else 'group by group'},"
+        f" router flags {args.router_arg or 'default'}, median of {args.repeats}"
         " (router and ack-only alternated); server CPU from schedstat over the timed window"
     )
     trivial = [sys.executable, __file__, "--serve-trivial"]
@@ -314,6 +331,8 @@ async def measure(args: argparse.Namespace) -> None:
                     router_command("--heartbeat-timeout", "3600", *args.router_arg)
                 ) as router:
                     names, handles = await make_sessions_with_handles(router.address, count)
+                    if args.interleave:
+                        names, handles = interleaved(names, handles, per_message)
                     rate, cpu, client = await run_once(
                         router, mode, names, handles, per_message, args.warmup
                     )
@@ -359,6 +378,12 @@ def main() -> None:
         default=[],
         help="an extra router flag (repeat it): leave the defaults to quote figures, e.g."
         " --router-arg=--log-level --router-arg=warning only to show what logging costs",
+    )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="shuffle each message's entries (groups interleaved, as rewards come when"
+        " rollouts finish) instead of sending each group's members together",
     )
     parser.add_argument("--serve-trivial", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port-file", help=argparse.SUPPRESS)
