@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import pytest
 from sessionrouter.server.core.clock import ManualClock
 from sessionrouter.server.core.commands import OptionsSpec, StartGroupCommand, StartSessionCommand
 from sessionrouter.server.core.groups import GroupRecord
-from sessionrouter.server.core.intake import uniform
+from sessionrouter.server.core.intake import handles_of_names, uniform
 from sessionrouter.server.core.rewards import RewardBatch
 from sessionrouter.server.core.router import RouterSettings, SessionRouter
 from sessionrouter.server.core.validation import session_handle
@@ -88,6 +89,25 @@ def by_handles(world: World, entries: list[Entry]) -> RewardBatch:
     )
 
 
+def by_names(world: World, entries: list[Entry]) -> RewardBatch:
+    """The same request by session names alone (the message form of a client that keeps
+    names): the whole-request path takes it as by handles, when every name is canonical."""
+    return RewardBatch(
+        rewards=[r for _, _, r in entries],
+        names=[
+            f"groups/{world.groups[k].group_id if k != '?' else 'nobody'}/sessions/{i}"
+            for k, i, _ in entries
+        ],
+    )
+
+
+def by_names_per_entry(world: World, entries: list[Entry]) -> RewardBatch:
+    """The same names with a column of zero handles beside them (entries that give no
+    handle): never the whole-request path, so the per-entry path words each refusal."""
+    batch = by_names(world, entries)
+    return RewardBatch(rewards=batch.rewards, names=batch.names, handles=[0] * len(entries))
+
+
 def by_entries(world: World, entries: list[Entry]) -> RewardBatch:
     """The same request as RewardEntry messages with handles become: a names column."""
     batch = by_handles(world, entries)
@@ -123,7 +143,7 @@ def state(world: World) -> list[object]:
 
 def statuses(world: World, batch: RewardBatch, fast: bool) -> tuple[bytes, list[str]]:
     router = world.router
-    assert (uniform(batch, router.groups.find_seq) is not None) is fast
+    assert (uniform(batch, router.groups.find_seq, router.groups.find) is not None) is fast
     outcome = router.submit_batch(batch)
     return bytes(outcome.codes), [re.sub(r"handle \d+", "handle N", d) for d in outcome.details]
 
@@ -175,12 +195,20 @@ REQUESTS: list[tuple[str, list[Entry], bool]] = [
 ]
 
 
-def test_each_request_gives_the_same_statuses_and_state_both_ways() -> None:
+Form = Callable[[World, list[Entry]], RewardBatch]
+
+
+@pytest.mark.parametrize(
+    ("form", "reference"), [(by_handles, by_entries), (by_names, by_names_per_entry)]
+)
+def test_each_request_gives_the_same_statuses_and_state_both_ways(
+    form: Form, reference: Form
+) -> None:
     fast, slow = build(), build()
     assert state(fast) == state(slow)
     for what, entries, whole in REQUESTS:
-        got = statuses(fast, by_handles(fast, entries), whole)
-        want = statuses(slow, by_entries(slow, entries), False)
+        got = statuses(fast, form(fast, entries), whole)
+        want = statuses(slow, reference(slow, entries), False)
         assert got == want, what
         assert state(fast) == state(slow), what
     # Every group of 8 with a member left to reward ended; p, q and r complete.
@@ -284,3 +312,33 @@ def test_a_restored_group_knows_its_members_start_versions(tmp_path: Path) -> No
     assert statuses(world, by_handles(world, entries), True)[0] == b"\x01\x01"
     assert (group.counted_min_version, group.counted_max_version) == (3, 4)
     again.close_now()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "groups/p/sessions/01",
+        "groups/p/sessions/+1",
+        "groups/p/sessions/\u0661",
+        "groups/p/sessions/10000",
+        "groups/p/sessions/",
+        "groups/p/x/sessions/1",
+        "group/p/sessions/1",
+        "groups/p/session/1",
+        "groups/nobody/sessions/1",
+        "",
+    ],
+)
+def test_a_name_not_in_canonical_form_is_left_to_the_per_entry_path(name: str) -> None:
+    """``handles_of_names`` takes only ``groups/{id}/sessions/{index}`` with the index as
+    the router writes it; any other text (each of which names no session) goes to the
+    per-entry path, whose refusal is the same as for that name alone."""
+    fast, slow = build(), build()
+    canonical = f"groups/p/sessions/{2}"
+    find = fast.router.groups.find
+    assert handles_of_names([canonical], find) == [fast.handle("p", 2)]
+    assert handles_of_names([canonical, name], find) is None
+    batch = RewardBatch(rewards=[1.0, 0.0], names=[canonical, name])
+    reference = RewardBatch(rewards=[1.0, 0.0], names=[canonical, name], handles=[0, 0])
+    assert statuses(fast, batch, False) == statuses(slow, reference, False)
+    assert state(fast) == state(slow)

@@ -390,11 +390,12 @@ def reward_batch_from_proto(request: spb.SubmitRewardsRequest) -> RewardBatch:
     lows = [e.min_version for e in entries]
     highs = [e.max_version for e in entries]
     versioned = any(lows) or any(highs)
+    names = [e.session for e in entries]
     return RewardBatch(
         min_versions=lows if versioned else None,
         max_versions=highs if versioned else None,
         rewards=[e.reward for e in entries],
-        names=[e.session for e in entries],
+        names=names if any(names) else None,  # entries by handle alone: as columns of handles
         handles=handles if any(handles) else None,
         metrics=[e.filter_metric for e in entries] if any(has_metric) else None,
         has_metric=has_metric if any(has_metric) else None,

@@ -317,12 +317,17 @@ class Uniform:
     last: list[int] | None = None
 
 
-def uniform(batch: RewardBatch, find_seq: Callable[[int], GroupRecord | None]) -> Uniform | None:
-    """The common columnar request, checked with NumPy over whole columns and once per group
-    instead of once per entry: handles only (no names, filter metrics or versions), every
-    reward finite and within ``MAX_REWARD_MAGNITUDE``, every handle a member of a full OPEN
-    group of this router with no aborted, replaced or lost member, all of one size, no
-    member named twice and none rewarded before. Then every entry is ACCEPTED, exactly as
+def uniform(
+    batch: RewardBatch,
+    find_seq: Callable[[int], GroupRecord | None],
+    find: Callable[[str], GroupRecord | None] | None = None,
+) -> Uniform | None:
+    """The common request, checked with NumPy over whole columns and once per group instead
+    of once per entry: handles only, or (given ``find``) names only, each in the canonical
+    form (``handles_of_names``); no filter metrics or versions; every reward finite and
+    within ``MAX_REWARD_MAGNITUDE``; every entry a member of a full OPEN group of this router
+    with no aborted, replaced or lost member, all of one size, no member named twice and
+    none rewarded before. Then every entry is ACCEPTED, exactly as
     the per-entry loop would have found one by one, in whatever order the request names
     them: a trainer that sends rewards as its rollouts finish interleaves the groups, and
     such a request is sorted by group (one stable argsort) rather than sent down the
@@ -333,16 +338,18 @@ def uniform(batch: RewardBatch, find_seq: Callable[[int], GroupRecord | None]) -
     open one here: in an OPEN group without aborted or replaced members every member is
     OPEN or REWARDED, and a member's slot (its index) holds a reward exactly when it is
     REWARDED (``GroupLedger.record_rewards``, ``record_columns``, ``add_group``)."""
-    handles = batch.handles
     if (
-        handles is None
-        or not handles
-        or batch.names is not None
-        or batch.metrics is not None
+        batch.metrics is not None
         or batch.min_versions is not None
         or batch.max_versions is not None
-        or len(handles) != len(batch.rewards)
     ):
+        return None
+    handles = batch.handles
+    if batch.names is not None:
+        if handles is not None or find is None:
+            return None  # names beside handles: each pair must agree, the per-entry path checks
+        handles = handles_of_names(batch.names, find)
+    if handles is None or not handles or len(handles) != len(batch.rewards):
         return None
     # Few NumPy calls, each over the whole request, and ufunc reductions and array methods
     # rather than the np.* wrappers: at a few hundred entries a call's own overhead, not its
@@ -411,6 +418,45 @@ def uniform(batch: RewardBatch, find_seq: Callable[[int], GroupRecord | None]) -
     return Uniform(
         groups, bounds, sessions, arena, group_rows, rows, slots, values, values.tolist(), last
     )
+
+
+_NAME_PREFIX = "groups/"
+_NAME_SUFFIX = "/sessions"
+_MEMBER_INDEX = {str(i): i for i in range(10_000)}
+"""Member index by its text in a session name, in canonical form only (no sign, no leading
+zero, ASCII digits), up to 4 digits (below 2**HANDLE_INDEX_BITS); a longer or other text is
+left to the per-entry path, which words its refusal. One lookup checks and converts."""
+
+
+def handles_of_names(
+    names: list[str], find: Callable[[str], GroupRecord | None]
+) -> list[int] | None:
+    """The handles of sessions named ``groups/{group_id}/sessions/{index}`` (each group
+    looked up once per request), so that a request by name (the message form, and clients
+    that keep names) is checked and applied as one by handle is. None when some name is not
+    in that form or names a group this router does not hold: the per-entry path resolves
+    and refuses those one by one."""
+    high_of: dict[str, int] = {}
+    """``groups/{group_id}/sessions`` -> the group's seq in a handle's high bits."""
+    handles: list[int] = []
+    for name in names:
+        head, _, index = name.rpartition("/")
+        member = _MEMBER_INDEX.get(index)
+        high = high_of.get(head)
+        if high is None:
+            group_id = head[len(_NAME_PREFIX) : -len(_NAME_SUFFIX)]
+            group = (
+                find(group_id)
+                if head == f"{_NAME_PREFIX}{group_id}{_NAME_SUFFIX}" and "/" not in group_id
+                else None
+            )
+            if group is None:
+                return None
+            high = high_of[head] = group.seq << HANDLE_INDEX_BITS
+        if member is None:
+            return None
+        handles.append(high | member)
+    return handles
 
 
 @functools.cache

@@ -1023,7 +1023,7 @@ class SessionRouter:
 
         A request ``core.intake.uniform`` finds wholly acceptable (the common columnar one)
         is applied by ``_submit_uniform`` instead, with arrays and once per group."""
-        whole = uniform(batch, self.groups.find_seq)
+        whole = uniform(batch, self.groups.find_seq, self.groups.find)
         if whole is not None:
             return self._submit_uniform(whole, batch.columnar, origin)
         n = len(batch.rewards)
