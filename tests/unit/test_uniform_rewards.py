@@ -320,7 +320,7 @@ def test_a_restored_group_knows_its_members_start_versions(tmp_path: Path) -> No
         "groups/p/sessions/01",
         "groups/p/sessions/+1",
         "groups/p/sessions/\u0661",
-        "groups/p/sessions/10000",
+        "groups/p/sessions/2048",
         "groups/p/sessions/",
         "groups/p/x/sessions/1",
         "group/p/sessions/1",

@@ -28,6 +28,7 @@ from sessionrouter.server.core.groups import GroupRecord, GroupState, RewardAren
 from sessionrouter.server.core.rewards import RewardBatch
 from sessionrouter.server.core.validation import (
     HANDLE_INDEX_BITS,
+    MAX_GROUP_SIZE,
     MAX_POLICY_VERSION,
     MAX_REWARD_MAGNITUDE,
     try_parse_session_name,
@@ -327,11 +328,10 @@ def uniform(
     form (``handles_of_names``); no filter metrics or versions; every reward finite and
     within ``MAX_REWARD_MAGNITUDE``; every entry a member of a full OPEN group of this router
     with no aborted, replaced or lost member, all of one size, no member named twice and
-    none rewarded before. Then every entry is ACCEPTED, exactly as
-    the per-entry loop would have found one by one, in whatever order the request names
-    them: a trainer that sends rewards as its rollouts finish interleaves the groups, and
-    such a request is sorted by group (one stable argsort) rather than sent down the
-    per-entry path.
+    none rewarded before. Then every entry is ACCEPTED, exactly as the per-entry loop would
+    have found one by one, in whatever order the request names them: a trainer that sends
+    rewards as its rollouts finish interleaves the groups, and such a request is sorted by
+    group (one stable argsort) rather than sent down the per-entry path.
 
     None for any other request: the per-entry path (``resolve`` and the applying loop)
     decides it, and words each refusal. Why an arena slot tells a rewarded member from an
@@ -422,10 +422,11 @@ def uniform(
 
 _NAME_PREFIX = "groups/"
 _NAME_SUFFIX = "/sessions"
-_MEMBER_INDEX = {str(i): i for i in range(10_000)}
+_MEMBER_INDEX = {str(i): i for i in range(2 * MAX_GROUP_SIZE)}
 """Member index by its text in a session name, in canonical form only (no sign, no leading
-zero, ASCII digits), up to 4 digits (below 2**HANDLE_INDEX_BITS); a longer or other text is
-left to the per-entry path, which words its refusal. One lookup checks and converts."""
+zero, ASCII digits), for every index a member can have (a group's size plus as many
+replacements); any other text is left to the per-entry path, which words its refusal. One
+lookup checks and converts."""
 
 
 def handles_of_names(
