@@ -1,8 +1,9 @@
 """The whole-request path for rewards (``core.intake.uniform``, ``SessionRouter._submit_uniform``)
 against the per-entry path: two routers built alike get the same requests, one as columns of
-handles only (what the whole-request path takes when it can) and one with a names column (what
-a RewardEntry message becomes: always the per-entry path). Every request must give the same
-status and detail per entry and leave the same state: sessions, groups, freed slots, results.
+handles only, or of names only (what the whole-request path takes when it can), and one with
+both columns (an empty name beside each handle, or a zero handle beside each name: always the
+per-entry path). Every request must give the same status and detail per entry and leave the
+same state: sessions, groups, freed slots, results.
 
 The requests cover what the whole-request path must recognise and leave to the per-entry path:
 duplicates within one request, a member rewarded before, a closed group, an aborted member, a
@@ -109,7 +110,8 @@ def by_names_per_entry(world: World, entries: list[Entry]) -> RewardBatch:
 
 
 def by_entries(world: World, entries: list[Entry]) -> RewardBatch:
-    """The same request as RewardEntry messages with handles become: a names column."""
+    """The same handles with a column of empty names beside them: never the whole-request
+    path, so the per-entry path words each refusal."""
     batch = by_handles(world, entries)
     return RewardBatch(rewards=batch.rewards, names=[""] * len(entries), handles=batch.handles)
 
