@@ -16,6 +16,7 @@ from sessionrouter.server.core.errors import InvalidArgument
 from sessionrouter.server.core.estimators import EstimatorParams
 from sessionrouter.server.core.results import OUTCOMES, ResultColumns, columns_of_results
 from sessionrouter.server.core.rewards import (
+    ACCEPTED_CODE,
     BatchOutcome,
     RewardBatch,
     RewardOutcome,
@@ -403,6 +404,29 @@ def reward_batch_from_proto(request: spb.SubmitRewardsRequest) -> RewardBatch:
 
 
 _ACCEPTED_RESULT = spb.RewardResult(status=spb.REWARD_STATUS_ACCEPTED)
+
+
+@functools.lru_cache(maxsize=64)
+def _accepted_whole(count: int) -> spb.RewardAck:
+    """The columnar ack of a request of ``count`` entries all ACCEPTED, without its sequence:
+    a template that ``fill_ack`` copies (never changed). Building the packed statuses from
+    ``count`` enum values costs about 8 µs of CPU at 256 entries, copying them well under 1."""
+    return spb.RewardAck(statuses=[spb.REWARD_STATUS_ACCEPTED] * count)
+
+
+def fill_ack(target: spb.RewardAck, ack: RewardAck) -> None:
+    """Writes ``ack`` into ``target`` (a response's ack field) as ``ack_to_proto`` words it;
+    a columnar request accepted whole (the common one) copies a template of its size."""
+    results = ack.results
+    if (
+        isinstance(results, BatchOutcome)
+        and results.columnar
+        and results.codes.count(ACCEPTED_CODE) == len(results.codes)
+    ):
+        target.CopyFrom(_accepted_whole(len(results.codes)))
+        target.sequence = ack.sequence
+        return
+    target.CopyFrom(ack_to_proto(ack))
 
 
 def ack_to_proto(ack: RewardAck) -> spb.RewardAck:

@@ -213,7 +213,8 @@ def _pack_stream_events(
     for event in events:
         if isinstance(event, RewardAck):
             flush()
-            current = spb.SubmitRewardsResponse(ack=convert.ack_to_proto(event))
+            current = spb.SubmitRewardsResponse()
+            convert.fill_ack(current.ack, event)
             messages.append(current)
             size = current.ByteSize()
         elif isinstance(event, MemberReplaced):
