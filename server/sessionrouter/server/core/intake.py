@@ -209,6 +209,12 @@ def _by_handles_only(
     return sessions, runs
 
 
+def _run_starts(seqs: NDArray[np.uint64]) -> list[int]:
+    """Where each run of equal values of ``seqs`` (group seqs of a handle column) starts, 0
+    first; one NumPy comparison over the column."""
+    return [0, *((seqs[1:] != seqs[:-1]).nonzero()[0] + 1).tolist()]
+
+
 def _split_handles(handles: list[int]) -> tuple[list[int], list[int], NDArray[np.uint64]]:
     """(where each run of equal group seqs starts, the seq of each run, each entry's member
     index) of a handle column, with NumPy; handles it cannot hold as uint64 (negative ones,
@@ -222,7 +228,7 @@ def _split_handles(handles: list[int]) -> tuple[list[int], list[int], NDArray[np
         return starts, [seqs[i] for i in starts], indices
     # Few NumPy calls: at a few hundred entries a call's own overhead is what this costs.
     shifted = column >> np.uint64(HANDLE_INDEX_BITS)
-    starts = [0, *((shifted[1:] != shifted[:-1]).nonzero()[0] + 1).tolist()]
+    starts = _run_starts(shifted)
     return (
         starts,
         [handles[i] >> HANDLE_INDEX_BITS for i in starts],
@@ -362,14 +368,14 @@ def uniform(
     except (OverflowError, TypeError, ValueError):
         return None  # a negative handle names no session: the per-entry path says so
     shifted = column >> np.uint64(HANDLE_INDEX_BITS)
-    starts: list[int] = [0, *((shifted[1:] != shifted[:-1]).nonzero()[0] + 1).tolist()]
+    starts = _run_starts(shifted)
     seqs: list[int] = shifted[starts].tolist()
     last: list[int] | None = None
     if len(set(seqs)) != len(seqs):
         # Some group's entries are not consecutive: take the entries group by group.
         order = shifted.argsort(kind="stable")
         column, shifted, values = column[order], shifted[order], values[order]
-        starts = [0, *((shifted[1:] != shifted[:-1]).nonzero()[0] + 1).tolist()]
+        starts = _run_starts(shifted)
         seqs = shifted[starts].tolist()
         last = np.maximum.reduceat(order, starts).tolist()
     bounds = [*starts, len(handles)]
