@@ -79,6 +79,7 @@ bench: venv  ## placement, reducer and reward-stream benchmarks (prints tables)
 	$(VENV)/bin/python scripts/bench_reducer.py
 	$(VENV)/bin/python scripts/bench_placement.py
 	$(VENV)/bin/python scripts/bench_rewards.py
+	$(VENV)/bin/python scripts/bench_reward_costs.py
 
 clean:  ## remove the virtual environment, tools and caches
 	rm -rf $(VENV) $(TOOLS) .mypy_cache .pytest_cache .ruff_cache build *.egg-info
