@@ -136,8 +136,12 @@ def run_cell(cell: Cell, rewards: int) -> dict[str, float]:
         spent["reduce"] += t4 - t3
         spent["pack"] += t5 - t4
     snapshot = router.snapshot()
-    if snapshot.open_groups or snapshot.rewards.get(RewardStatus.ACCEPTED) != rewards:
-        raise RuntimeError("not every reward was accepted and every group finished")
+    if (
+        snapshot.open_groups
+        or snapshot.rewards.get(RewardStatus.ACCEPTED) != rewards
+        or snapshot.feed_cursor != rewards // cell.group_size
+    ):
+        raise RuntimeError("not every reward was accepted and every group reduced and published")
     gc.unfreeze()
     return {stage: seconds / rewards for stage, seconds in spent.items()}
 
@@ -174,6 +178,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         " (the serving router's 2 ms window holds about 1,000 at 500,000 rewards/s)",
     )
     args = parser.parse_args(argv)
+    if min(len(set(args.entries)), len(set(args.group_sizes)), len(set(args.per_reduce))) < 2:
+        parser.error(
+            "the fit needs two values or more of each of --entries, --group-sizes and --per-reduce"
+        )
     if any(b % e for b in args.per_reduce for e in args.entries):
         parser.error("every --per-reduce must be a multiple of every --entries")
     span = int(np.lcm.reduce([*args.per_reduce, *args.group_sizes]))
