@@ -449,6 +449,8 @@ def handles_of_names(
     for name in names:
         head, _, index = name.rpartition("/")
         member = _MEMBER_INDEX.get(index)
+        if member is None:
+            return None
         high = high_of.get(head)
         if high is None:
             group_id = head[len(_NAME_PREFIX) : -len(_NAME_SUFFIX)]
@@ -460,8 +462,6 @@ def handles_of_names(
             if group is None:
                 return None
             high = high_of[head] = group.seq << HANDLE_INDEX_BITS
-        if member is None:
-            return None
         handles.append(high | member)
     return handles
 
